@@ -1,0 +1,31 @@
+# horovod-safusion — the two commands a user needs:
+#   make demo   install if needed, then train the digits CNN with Horovod and with SAFusion (2 workers)
+#   make test   install if needed, then the whole test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NP     ?= 2
+
+.PHONY: install demo test unit multiproc clean
+
+install: $(STAMP)
+
+$(STAMP): scripts/install.sh setup.py
+	bash scripts/install.sh
+	touch $@
+
+demo: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) examples/train_digits.py
+
+test: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests
+
+unit: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests/unit
+
+multiproc: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests/multiproc
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,19 @@
+"""horovod-safusion: sparsification-ahead tensor fusion (SAFusion, HPDC'25) as a Horovod plugin.
+
+Swap one line of a Horovod script::
+
+    optimizer = horovod_safusion.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                      compressor="dgc", density=0.01)
+"""
+from .communicators import Communicator, available_communicators, register_communicator
+from .compressors import Compressor, available_compressors, register_compressor
+from .controller import StepStats
+from .generator import Planner, TensorInfo, available_planners, register_planner
+from .optimizer import DistributedOptimizer
+from .plan import FusionPlan
+
+__version__ = "0.1.0"
+
+__all__ = ["Communicator", "Compressor", "DistributedOptimizer", "FusionPlan", "Planner", "StepStats",
+           "TensorInfo", "available_communicators", "available_compressors", "available_planners",
+           "register_communicator", "register_compressor", "register_planner"]

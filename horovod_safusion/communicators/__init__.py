@@ -1,0 +1,7 @@
+"""Communicator registry: ``communicator=`` takes ``"auto"``, one of these names, or an instance."""
+from .allgather import Allgather
+from .allreduce import Allreduce
+from .base import Communicator, Pending, available_communicators, make_communicator, register_communicator
+
+__all__ = ["Allgather", "Allreduce", "Communicator", "Pending", "available_communicators",
+           "make_communicator", "register_communicator"]

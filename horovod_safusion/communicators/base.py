@@ -1,0 +1,101 @@
+"""Communicator interface and registry: how one fusion buffer is synchronised.
+
+A communicator receives, per fusion buffer and step, the values this rank selected and their
+buffer-relative indices, starts *one* asynchronous collective (so communication overlaps the rest
+of back-propagation, SAFusion §3.1 Step-2), and later returns the reduced dense flat buffer.
+The reduction follows Horovod's scaling: ``postscale · Σ_ranks prescale · x`` and, for
+``op=Average``, a further ``1 / size``. Values of different ranks at the same index add up.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar, TypeVar
+
+import torch
+import horovod.torch as hvd
+
+_REGISTRY: dict[str, type["Communicator"]] = {}
+C = TypeVar("C", bound=type)
+
+
+class Pending:
+    """An in-flight buffer synchronisation; ``wait()`` returns the reduced dense flat buffer."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor], bytes_sent: int) -> None:
+        self._finish = finish
+        self.bytes_sent = bytes_sent
+
+    def wait(self) -> torch.Tensor:
+        return self._finish()
+
+
+class Communicator(ABC):
+    """Synchronises fusion buffers across the ranks of a process set.
+
+    Args:
+        process_set: Horovod process set whose ranks take part.
+        compression: Horovod's wire compression (``hvd.Compression.none`` / ``.fp16``), applied to
+            the values that travel, as ``hvd.DistributedOptimizer(compression=...)`` does.
+    """
+
+    name: ClassVar[str] = "?"
+    dense: ClassVar[bool] = False
+
+    def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none) -> None:
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.compression = compression
+
+    def bind(self, process_set: Any, compression: Any) -> "Communicator":
+        """Attach the optimizer's process set and wire compression (for instances made by users)."""
+        self.process_set = process_set
+        self.compression = compression
+        return self
+
+    @abstractmethod
+    def start(self, tag: str, values: torch.Tensor, indices: torch.Tensor | None, numel: int,
+              op: int, prescale: float, postscale: float) -> Pending:
+        """Start synchronising one buffer.
+
+        Args:
+            tag: short, stable collective name of the buffer (same on every rank).
+            values: selected values (all ``numel`` values when ``indices`` is ``None``).
+            indices: buffer-relative int64 indices of ``values``, or ``None`` for all.
+            numel: elements of the dense flat buffer.
+            op: ``hvd.Average`` or ``hvd.Sum``.
+            prescale, postscale: Horovod's scale factors (``gradient_predivide_factor``).
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def register_communicator(name: str) -> Callable[[C], C]:
+    """Class decorator: make a :class:`Communicator` selectable as ``communicator=name``."""
+    def wrap(cls: C) -> C:
+        if not (isinstance(cls, type) and issubclass(cls, Communicator)):
+            raise TypeError(f"@register_communicator({name!r}) needs a Communicator subclass")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"communicator name {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def available_communicators() -> list[str]:
+    """Names accepted by ``communicator=`` (besides ``"auto"``)."""
+    return sorted(_REGISTRY)
+
+
+def make_communicator(spec: "str | Communicator", dense_compressor: bool, process_set: Any,
+                      compression: Any) -> Communicator:
+    """Resolve ``communicator=``: ``"auto"`` picks a dense allreduce for dense compressors and
+    the sparse allgather (SAFusion's default, §3.1 Step-2) otherwise."""
+    if isinstance(spec, Communicator):
+        return spec.bind(process_set, compression)
+    if spec == "auto":
+        spec = "allreduce" if dense_compressor else "allgather"
+    if not isinstance(spec, str) or spec not in _REGISTRY:
+        raise ValueError(f"unknown communicator {spec!r}; known communicators: auto, "
+                         f"{', '.join(available_communicators())} (or pass a Communicator instance)")
+    return _REGISTRY[spec](process_set=process_set, compression=compression)

@@ -1,0 +1,95 @@
+"""Compressor interface and registry (SAFusion §4, "Sparsification compression module").
+
+A compressor decides *which* elements of a flat fusion buffer travel; it never communicates and
+never keeps error-feedback memory (that is :mod:`horovod_safusion.residual`), following GRACE's
+split into Compressor / Memory / Communicator. New compressors register by decorator::
+
+    @register_compressor("mine")
+    class Mine(Compressor):
+        def select(self, flat, segments, step): ...
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, TypeVar
+
+import torch
+
+from ..segment import Segments
+
+_REGISTRY: dict[str, type["Compressor"]] = {}
+C = TypeVar("C", bound=type)
+
+
+def check_density(density: float) -> float:
+    """Return ``density`` as a float if ``0 < density <= 1``, else raise a clear ``ValueError``."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise ValueError(f"density must be a number with 0 < density <= 1, got {density!r}")
+    if not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"density must satisfy 0 < density <= 1, got {density!r}")
+    return float(density)
+
+
+class Compressor(ABC):
+    """Selects elements of a flat buffer, per segment.
+
+    Attributes:
+        density: target fraction of elements selected per segment (0 < density <= 1).
+        dense: ``True`` for compressors that always keep every element; the controller then
+            skips selection and the default communicator becomes a dense allreduce.
+    """
+
+    name: ClassVar[str] = "?"
+    dense: ClassVar[bool] = False
+
+    def __init__(self, density: float = 0.01) -> None:
+        self.density = check_density(density)
+
+    @abstractmethod
+    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
+        """Return buffer-relative int64 indices of the elements to send (``None`` means all).
+
+        ``flat`` is the error-compensated gradient (gradient + residual) of one fusion buffer;
+        ``step`` counts synchronisations, for compressors that re-estimate periodically.
+        Indices must be unique; within a segment their order is free.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(density={self.density})"
+
+
+def register_compressor(name: str) -> Callable[[C], C]:
+    """Class decorator: make a :class:`Compressor` subclass selectable as ``compressor=name``."""
+    def wrap(cls: C) -> C:
+        if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+            raise TypeError(f"@register_compressor({name!r}) needs a Compressor subclass, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"compressor name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def available_compressors() -> list[str]:
+    """Names accepted by ``compressor=``."""
+    return sorted(_REGISTRY)
+
+
+def make_compressor(spec: "str | Compressor", density: float | None) -> Compressor:
+    """Resolve ``compressor=`` (a registered name or an instance) and ``density=``.
+
+    ``density=None`` means the compressor's own default (0.01 for sparsifiers) for names and the
+    instance's own density for instances;
+    an explicit density that contradicts an instance's is an error rather than a silent choice.
+    """
+    if isinstance(spec, Compressor):
+        if density is not None and check_density(density) != spec.density:
+            raise ValueError(f"density={density!r} contradicts the compressor instance's density "
+                             f"{spec.density!r}; pass one of them")
+        return spec
+    if not isinstance(spec, str) or spec not in _REGISTRY:
+        raise ValueError(f"unknown compressor {spec!r}; known compressors: "
+                         f"{', '.join(available_compressors())} (or pass a Compressor instance)")
+    cls = _REGISTRY[spec]
+    return cls() if density is None else cls(density=density)

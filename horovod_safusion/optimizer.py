@@ -1,0 +1,336 @@
+"""``DistributedOptimizer``: the drop-in replacement for ``hvd.DistributedOptimizer``.
+
+Same arguments in the same positions with the same meanings, errors and warnings as
+``horovod.torch.DistributedOptimizer`` (0.28.1); the SAFusion options are keyword-only. Like
+Horovod, it returns an instance of a class made on the fly that inherits from the user's optimizer
+class, so ``isinstance`` checks, ``param_groups`` and learning-rate schedulers keep working.
+Gradients travel through the :class:`~horovod_safusion.controller.Controller` (SAFusion §4):
+per-tensor sparsification ahead of fusion, one collective per fusion buffer.
+
+Differences to Horovod, all deliberate:
+
+* hooks are registered even with one worker, so a single process sparsifies exactly as each worker
+  of a job does (Horovod skips its no-op allreduce there);
+* ``op`` must be ``hvd.Average`` or ``hvd.Sum``: Adasum, Min, Max and Product have no meaning for
+  sparse values that ranks select independently;
+* ``groups`` becomes the fusion plan (one buffer per group), so it cannot be combined with ``fusion=``;
+* ``zero_grad`` accepts ``set_to_none`` like torch's;
+* ``state_dict()`` carries this rank's error-feedback residuals, so checkpoints lose nothing.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import horovod.torch as hvd
+import horovod.torch.optimizer as _hvd_optimizer
+from horovod.torch.mpi_ops import rocm_built
+
+from .communicators import Communicator, make_communicator
+from .compressors import Compressor, make_compressor
+from .controller import Controller, StepStats
+from .generator import GroupsPlanner, Planner, TensorInfo, make_planner
+from .plan import FusionPlan, check_plan_across_ranks
+
+DEFAULT_FUSION = "safusion-naive"
+_SUPPORTED_OPS = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum"}
+_OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
+_STATE_KEY = "safusion"
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
+                 gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=hvd.global_process_set, *, compressor="dgc", density=None,
+                 communicator="auto", fusion=None):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f'allreduce.noname.{i}.{j}', v)
+                                for i, param_group in enumerate(self.param_groups)
+                                for j, v in enumerate(param_group['params'])]
+        # make sure that named_parameters are tuples
+        if any([not isinstance(p, tuple) for p in named_parameters]):
+            raise ValueError('named_parameters should be a sequence of '
+                             'tuples (name, parameter), usually produced by '
+                             'model.named_parameters().')
+
+        dups = _hvd_optimizer._DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
+        if len(dups) > 0:
+            raise ValueError('Parameter names in named_parameters must be unique. '
+                             'Found duplicates: %s' % ', '.join(dups))
+
+        all_param_ids = {id(v) for param_group in self.param_groups for v in param_group['params']}
+        named_param_ids = {id(v) for k, v in named_parameters}
+        unnamed_param_ids = all_param_ids - named_param_ids
+        if len(unnamed_param_ids):
+            raise ValueError('named_parameters was specified, but one or more model '
+                             'parameters were not named. Python object ids: '
+                             '%s' % ', '.join(str(id) for id in unnamed_param_ids))
+
+        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_parameters}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+
+        self._handles: dict[torch.Tensor, bool] = {}
+        self._hook_handles = []
+        self._synchronized = False
+        self._should_synchronize = True
+
+        trainable = [p for g in self.param_groups for p in g['params'] if p.requires_grad]
+        for p in trainable:
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {self._parameter_names[p]!r} has dtype {p.dtype}; "
+                                 "horovod_safusion fuses floating-point gradients only "
+                                 "(float16, bfloat16, float32, float64)")
+        # Back-propagation roughly visits parameters in reverse registration order (as PyTorch
+        # DDP's buckets assume); the profiled planners replace it by measured ready times.
+        self._named_trainable = [(self._parameter_names[p], p) for p in reversed(trainable)]
+        self._planner = GroupsPlanner(_group_names(groups, self._parameter_names)) if groups is not None \
+            else make_planner(fusion if fusion is not None else DEFAULT_FUSION)
+        comp = make_compressor(compressor, density)
+        comm = make_communicator(communicator, comp.dense, process_set, compression)
+        prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
+                               if op == hvd.Average else (1.0, 1.0))
+        plan = self._planner.plan([TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
+                                   for n, p in self._named_trainable])
+        self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
+                                      sparse_as_dense)
+        if self.process_set.included():
+            check_plan_across_ranks(plan, self.process_set)
+            self._register_hooks()
+
+    # ---- SAFusion's view ---------------------------------------------------------------------
+    @property
+    def plan(self) -> FusionPlan:
+        """The fusion plan in use (buffers of parameter names in back-propagation order)."""
+        return self._controller.plan
+
+    def set_plan(self, plan: FusionPlan) -> None:
+        """Switch every rank to ``plan`` (a collective: call it on all ranks between steps)."""
+        if self._handles:
+            raise RuntimeError("set_plan() was called after loss.backward() but before step() or "
+                               "synchronize(); change the plan between steps")
+        self._controller.set_plan(plan)
+        if self.process_set.included():
+            check_plan_across_ranks(plan, self.process_set)
+
+    @property
+    def compressor(self) -> Compressor:
+        return self._controller.compressor
+
+    @property
+    def communicator(self) -> Communicator:
+        return self._controller.communicator
+
+    @property
+    def planner(self) -> Planner:
+        return self._planner
+
+    @property
+    def last_stats(self) -> StepStats:
+        """What the last synchronisation sent: density, missing tensors, bytes (this rank)."""
+        return self._controller.last_stats
+
+    @property
+    def residuals(self):
+        """The per-parameter error-feedback store."""
+        return self._controller.residuals
+
+    # ---- Horovod's contract -------------------------------------------------------------------
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        state_dict = dict(args[0] if args else kwargs.pop('state_dict'))
+        saved = state_dict.pop(_STATE_KEY, None)
+        if saved is not None and saved.get('rank') == hvd.rank():
+            self._controller.residuals.load_state_dict(saved['residuals'])
+        super(self.__class__, self).load_state_dict(state_dict, *args[1:], **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        state = super(self.__class__, self).state_dict(*args, **kwargs)
+        state[_STATE_KEY] = {'rank': hvd.rank(), 'residuals': self._controller.residuals.state_dict()}
+        return state
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _register_hooks(self):
+        for _, p in self._named_trainable:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_hook(self, p):
+        def hook(*ignore):
+            if self._handles.get(p):
+                if self._allreduce_delay[p] <= 0:
+                    raise AssertionError(
+                        "Gradients were computed more than "
+                        "backward_passes_per_step times before call "
+                        "to step(). Increase backward_passes_per_step to "
+                        "accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            launched = self._allreduce_delay[p] == 0
+            if launched:
+                self._controller.grad_ready(p)
+            self._handles[p] = launched
+        return hook
+
+    def synchronize(self):
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        self._controller.synchronize()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """
+        A context manager used to specify that optimizer.step() should
+        not perform synchronization.
+
+        It's typically used in a following pattern:
+
+        .. code-block:: python
+
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without "
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _group_names(groups, names: dict) -> "int | list[list[str]]":
+    """Horovod's ``groups`` validated as Horovod does, as parameter names."""
+    if not (isinstance(groups, list) or groups > 0):
+        raise ValueError('groups should be a non-negative integer or '
+                         'a list of list of torch.Tensor.')
+    if not isinstance(groups, list):
+        return int(groups)
+    seen, out = set(), []
+    for group in groups:
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError('groups must consist of torch.Tensor.')
+            if id(p) in seen:
+                raise ValueError('A parameter can only appear once in groups.')
+            seen.add(id(p))
+        out.append([names[p] for p in group if p in names and p.requires_grad])
+    return out
+
+
+def DistributedOptimizer(optimizer, named_parameters=None,
+                         compression=hvd.Compression.none,
+                         backward_passes_per_step=1,
+                         op=hvd.Average,
+                         gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None,
+                         sparse_as_dense=False,
+                         process_set=hvd.global_process_set,
+                         *,
+                         compressor: "str | Compressor" = "dgc",
+                         density: float | None = None,
+                         fusion: "str | Planner | None" = None,
+                         communicator: "str | Communicator" = "auto"):
+    """
+    An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
+    gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
+
+    Every gradient tensor is sparsified on its own as soon as back-propagation produces it, the
+    selected elements are merged into a fusion buffer, and one collective per buffer starts as soon
+    as the buffer's last tensor is in, overlapping the rest of back-propagation. ``step()`` waits
+    for all buffers, adds up the values of all ranks (``index_add_``), averages and applies the
+    update. Unsent elements are kept as per-parameter error-feedback residuals.
+
+    Horovod's arguments (``optimizer`` … ``process_set``) keep their positions and meanings; see
+    ``horovod.torch.DistributedOptimizer``. The SAFusion options are keyword-only:
+
+    Arguments:
+        compressor: name of a registered compressor (``"dgc"``, ``"topk"``, ``"none"``, ...;
+                    see ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance.
+        density: fraction of each tensor's elements sent per step, ``0 < density <= 1``
+                 (default 0.01). Lower saves traffic; too low slows convergence.
+        fusion: name of a fusion planner (default ``"safusion-naive"``; see
+                ``horovod_safusion.available_planners()``) or a ``Planner`` instance.
+                Cannot be combined with Horovod's ``groups``.
+        communicator: ``"auto"`` (dense allreduce for ``compressor="none"``, sparse allgather
+                      otherwise), a registered name, or a ``Communicator`` instance.
+
+    The returned optimizer has ``plan``, ``set_plan()``, ``last_stats`` and ``residuals`` besides
+    Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
+    """
+    if gradient_predivide_factor != 1.0:
+        if rocm_built():
+            raise ValueError('gradient_predivide_factor not supported yet with ROCm')
+        if op != hvd.Average:
+            raise ValueError('gradient_predivide_factor not supported with op != Average')
+
+    if num_groups != 0:
+        warnings.warn('Parameter `num_groups` has been replaced by `groups` '
+                      'and will be removed in v0.23.0.', DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+
+    if op not in _SUPPORTED_OPS:
+        raise ValueError(f"op={_OP_NAMES.get(op, repr(op))} cannot be used with sparse aggregation: "
+                         "values that ranks select independently can only be summed or averaged; "
+                         "horovod_safusion accepts op=hvd.Average or op=hvd.Sum")
+    if groups is not None and fusion is not None:
+        raise ValueError(f"groups={groups!r} and fusion={fusion!r} both define the fusion buffers; "
+                         "pass one of them")
+
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__,
+                    # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with
+                    # the *base* class's step() only when the optimizer's module is Horovod's; any
+                    # other module makes it call our step(), which would synchronise gradients.
+                    __module__=_hvd_optimizer.__name__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set,
+               compressor=compressor, density=density, communicator=communicator, fusion=fusion)

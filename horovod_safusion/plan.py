@@ -1,0 +1,181 @@
+"""The fusion plan as data: which tensors share a fusion buffer and where selection happens.
+
+A :class:`FusionPlan` is an ordered list of buffers, each an ordered list of parameter names in
+back-propagation order, plus the sparsification order:
+
+* ``ahead``  — every tensor is sparsified on its own before it is merged into its buffer
+  (SAFusion §3.1, Steps 1–2; Figure 5), so every tensor with a nonzero gradient keeps elements;
+* ``behind`` — the dense gradients are merged first and one selection runs over the whole
+  buffer (the traditional scheme of SAFusion §2.4, Figures 1(c) and 2).
+
+The controller keeps the mapping "tensor name → buffer id" (SAFusion §4, "Controller module").
+Every rank must run the same plan, or ranks would pair different buffers in one collective;
+:func:`check_plan_across_ranks` compares a digest at start and names the first differing buffer
+(the alignment property of SAFusion §3.2).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+ORDERS = ("ahead", "behind")
+MAX_BUFFER_ELEMENTS = 2**31 - 1  # buffer-relative indices travel as int32
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Ordered fusion buffers of parameter names plus the sparsification order.
+
+    Attributes:
+        buffers: buffer ``i`` holds ``buffers[i]``, names in the order their gradients become
+            ready during back-propagation. Buffers are launched as soon as their last tensor is in.
+        order: ``"ahead"`` (select per tensor, SAFusion §3.1) or ``"behind"`` (select per buffer).
+        planner: name of the planner that made the plan (informational; part of the digest).
+    """
+
+    buffers: tuple[tuple[str, ...], ...]
+    order: str = "ahead"
+    planner: str = "custom"
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buffers", tuple(tuple(b) for b in self.buffers))
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        for i, b in enumerate(self.buffers):
+            if len(b) == 0:
+                raise ValueError(f"fusion buffer {i} is empty; every buffer needs at least one tensor")
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """All tensor names in plan order."""
+        return [n for b in self.buffers for n in b]
+
+    def buffer_of(self) -> dict[str, int]:
+        """Mapping tensor name → buffer id (the controller's lookup list, SAFusion §4)."""
+        return {n: i for i, b in enumerate(self.buffers) for n in b}
+
+    def validate(self, trainable: Iterable[str], numel: dict[str, int] | None = None) -> None:
+        """Raise ``ValueError`` unless every trainable name appears exactly once and nothing else.
+
+        With ``numel`` given, also check that no buffer exceeds the int32 index range.
+        """
+        trainable = list(trainable)
+        seen: dict[str, int] = {}
+        for i, b in enumerate(self.buffers):
+            for n in b:
+                if n in seen:
+                    raise ValueError(f"tensor {n!r} appears in fusion buffers {seen[n]} and {i}; "
+                                     "each trainable parameter must appear exactly once")
+                seen[n] = i
+        unknown = [n for n in seen if n not in set(trainable)]
+        if unknown:
+            raise ValueError(f"fusion plan names tensors that are not trainable parameters: {unknown[:5]}")
+        missing = [n for n in trainable if n not in seen]
+        if missing:
+            raise ValueError(f"fusion plan misses trainable parameters: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+        if numel is not None:
+            for i, b in enumerate(self.buffers):
+                total = sum(numel[n] for n in b)
+                if total > MAX_BUFFER_ELEMENTS:
+                    raise ValueError(f"fusion buffer {i} holds {total} elements, more than int32 "
+                                     f"buffer-relative indices can address ({MAX_BUFFER_ELEMENTS})")
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"planner": self.planner, "order": self.order,
+                "buffers": [list(b) for b in self.buffers], "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FusionPlan":
+        return cls(buffers=d["buffers"], order=d.get("order", "ahead"),
+                   planner=d.get("planner", "custom"), meta=d.get("meta", {}))
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FusionPlan":
+        return cls.from_dict(json.loads(text))
+
+    def digest(self) -> str:
+        """SHA-256 over what ranks must agree on: buffers and order (not ``meta``)."""
+        canon = json.dumps({"order": self.order, "buffers": [list(b) for b in self.buffers]},
+                           separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def first_difference(self, other: "FusionPlan") -> str | None:
+        """Human-readable description of the first difference to ``other``, or ``None``."""
+        if self.order != other.order:
+            return f"sparsification order differs: {self.order!r} vs {other.order!r}"
+        for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):
+            if a != b:
+                return f"fusion buffer {i} differs: {list(a)[:4]}... vs {list(b)[:4]}..."
+        if len(self.buffers) != len(other.buffers):
+            return f"number of fusion buffers differs: {len(self.buffers)} vs {len(other.buffers)}"
+        return None
+
+    def table(self, numel: dict[str, int] | None = None, element_bytes: dict[str, int] | None = None) -> str:
+        """A plain-text table: buffer id, tensor count, dense bytes, first and last tensor."""
+        rows = [f"{'buffer':>6} {'tensors':>7} {'dense bytes':>12}  first .. last"]
+        for i, b in enumerate(self.buffers):
+            nbytes = (sum(numel[n] * (element_bytes or {}).get(n, 4) for n in b)
+                      if numel is not None else float("nan"))
+            rows.append(f"{i:>6} {len(b):>7} {nbytes:>12.0f}  {b[0]} .. {b[-1]}")
+        rows.append(f"order: {self.order}, planner: {self.planner}, digest: {self.digest()[:12]}")
+        return "\n".join(rows)
+
+
+def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``process_set`` hold the same plan.
+
+    One allgather of 32-byte digests; only on a mismatch are two plans broadcast, so that every
+    rank can name the first buffer in which it differs from another rank.
+    """
+    import torch
+    import horovod.torch as hvd
+
+    ps = process_set if process_set is not None else hvd.global_process_set
+    mine = torch.tensor(list(bytes.fromhex(plan.digest())), dtype=torch.uint8)
+    digests = hvd.allgather(mine, name="safusion.plan.digest", process_set=ps).view(-1, 32)
+    differs = [i for i in range(len(digests)) if not torch.equal(digests[i], digests[0])]
+    if not differs:
+        return
+    # Ranks that agree with the set's first rank compare against the first rank that does not,
+    # and vice versa; both plans travel once.
+    ranks = list(ps.ranks) if getattr(ps, "ranks", None) else list(range(len(digests)))
+    me = ranks.index(hvd.rank())
+    first = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[0], name="safusion.plan.a", process_set=ps)
+    other = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[differs[0]], name="safusion.plan.b",
+                                 process_set=ps)
+    versus, reference = (ranks[differs[0]], other) if me not in differs else (ranks[0], first)
+    diff = plan.first_difference(FusionPlan.from_dict(reference))
+    raise ValueError("fusion plans differ across ranks (every rank must fuse the same tensors in "
+                     f"the same buffers); rank {hvd.rank()} versus rank {versus}: {diff}")
+
+
+def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: int,
+                      same_group: dict[str, object] | None = None) -> list[list[str]]:
+    """Cut ``names`` into consecutive buffers of at most ``capacity`` dense bytes.
+
+    A tensor larger than ``capacity`` gets a buffer of its own. When ``same_group`` is given, a
+    buffer is also closed where the group key (dtype, device) changes, because one buffer is one
+    flat tensor.
+    """
+    buffers: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for n in names:
+        key_change = same_group is not None and current and same_group[n] != same_group[current[-1]]
+        if current and (size + nbytes[n] > capacity or key_change):
+            buffers.append(current)
+            current, size = [], 0
+        current.append(n)
+        size += nbytes[n]
+    if current:
+        buffers.append(current)
+    return buffers

@@ -1,0 +1,43 @@
+"""Error-feedback memory: every unsent gradient element is kept and added back next step.
+
+Residuals are per parameter (never per buffer), so a new fusion plan keeps them, and they are
+part of the optimizer's ``state_dict()`` so a checkpoint loses nothing. The invariant, checked by
+the tests for every parameter and step, is exact::
+
+    residual_after + sent == residual_before + grad
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ResidualStore:
+    """Flat residual tensors keyed by parameter name, created lazily as zeros."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The flat residual of ``name``, shaped and typed like ``like`` flattened."""
+        r = self._residuals.get(name)
+        if r is None or r.numel() != like.numel() or r.dtype != like.dtype or r.device != like.device:
+            r = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+            self._residuals[name] = r
+        return r
+
+    def discard(self, name: str) -> None:
+        """Forget ``name``'s residual (equivalent to zeros): used when every element was sent."""
+        self._residuals.pop(name, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._residuals
+
+    def norm(self) -> float:
+        """Sum of squared residual entries (a cheap diagnostic of what is held back)."""
+        return float(sum(float(r.double().pow(2).sum()) for r in self._residuals.values()))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: r.clone() for n, r in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._residuals = {n: r.detach().clone() for n, r in state.items()}

@@ -1,0 +1,61 @@
+"""A flat fusion buffer cut into segments, the unit of selection.
+
+SAFusion §3.1 selects per tensor *before* fusion; the traditional scheme selects over the whole
+fused buffer (§2.4). Both are one selection over a flat buffer with a per-segment rule: one
+segment per tensor for ``ahead``, one segment for the whole buffer for ``behind``. Compressors
+therefore see a flat tensor and a :class:`Segments` object and never loop over parameters
+themselves unless they want to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Consecutive segments ``[offsets[s], offsets[s] + sizes[s])`` of a flat buffer.
+
+    Attributes:
+        names: a stable key per segment (a parameter name under ``ahead``, the buffer's name
+            under ``behind``); compressors key per-segment state (e.g. thresholds) by it, so state
+            survives a change of plan.
+        sizes: element count per segment.
+        device: the device of the flat buffer.
+    """
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for n in self.sizes:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @cached_property
+    def ids(self) -> torch.Tensor:
+        """Segment id of every element (int64, length ``numel``), for one-pass vectorised rules."""
+        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
+        return torch.repeat_interleave(torch.arange(len(self.sizes), device=self.device), sizes)
+
+    def k(self, density: float) -> torch.Tensor:
+        """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        return torch.clamp(torch.round(sizes * density), min=1).to(torch.int64)
+
+    def counts(self, indices: torch.Tensor) -> torch.Tensor:
+        """Selected elements per segment for buffer-relative ``indices``."""
+        return torch.bincount(self.ids[indices], minlength=len(self.sizes))

@@ -1,0 +1,276 @@
+"""Multi-process checks, run by pytest under ``horovodrun`` (Gloo or MPI, 2–4 workers).
+
+Each scenario runs on every rank with rank-dependent data and writes one JSON record per rank;
+``test_multiproc.py`` asserts on them. References are computed independently of the plugin's
+wire path: from every rank's dense local gradient and residual, gathered with
+``hvd.allgather_object``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+import horovod.torch as hvd
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
+
+import horovod_safusion as saf  # noqa: E402
+from horovod_safusion.generator import NaivePlanner  # noqa: E402
+
+DATA = None
+
+
+def batch(step: int, n: int = 32):
+    """A different batch on every rank and step (rank-dependent gradients)."""
+    x, y, _, _ = DATA
+    start = ((step * hvd.size() + hvd.rank()) * n) % (len(x) - n)
+    return x[start:start + n], y[start:start + n]
+
+
+def make(seed=0, width=8):
+    torch.manual_seed(seed)
+    return DigitsCNN(width=width)
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def params(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def grads(m):
+    return [p.grad.detach().clone() for p in m.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+def scenario_dense_equality():
+    """density 1 / compressor none give hvd.DistributedOptimizer's gradients and parameters."""
+    out = {}
+    variants = {"none": dict(compressor="none"), "dgc@1": dict(compressor="dgc", density=1.0),
+                "topk@1-allgather": dict(compressor="topk", density=1.0, communicator="allgather"),
+                "none-predivide": dict(compressor="none", gradient_predivide_factor=2.0)}
+    for label, kw in variants.items():
+        ref_m, our_m = make(), make()
+        pre = kw.pop("gradient_predivide_factor", 1.0)
+        ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=ref_m.named_parameters(), gradient_predivide_factor=pre)
+        ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=our_m.named_parameters(), gradient_predivide_factor=pre,
+                                        fusion=NaivePlanner(capacity_bytes=8192), **kw)
+        gd, pd = 0.0, 0.0
+        for step in range(3):
+            x, y = batch(step)
+            for m, o in ((ref_m, ref), (our_m, ours)):
+                o.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                o.synchronize()
+            gd = max(gd, max_diff(grads(ref_m), grads(our_m)))
+            for o in (ref, ours):
+                with o.skip_synchronize():
+                    o.step()
+            pd = max(pd, max_diff(params(ref_m), params(our_m)))
+        out[label] = {"grad_diff": gd, "param_diff": pd, "buffers": len(ours.plan.buffers)}
+    return out
+
+
+def gather_dense(tensors):
+    """Every rank's list of flat tensors, as numpy float64 arrays."""
+    return [[np.asarray(t, dtype=np.float64) for t in r]
+            for r in hvd.allgather_object([t.double().numpy() for t in tensors], name="ref.gather")]
+
+
+def scenario_sparse_aggregation():
+    """density 0.01: the aggregate equals a reference computed from all ranks' accumulators."""
+    out = {}
+    for compressor in ("topk", "dgc"):
+        m = make(width=16)
+        opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                       named_parameters=m.named_parameters(), compressor=compressor,
+                                       density=0.01, fusion=NaivePlanner(capacity_bytes=16384))
+        named = list(m.named_parameters())
+        worst_ref, worst_cons, missing = 0.0, 0.0, 0
+        for step in range(4):
+            before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            opt.zero_grad()
+            x, y = batch(step)
+            F.cross_entropy(m(x), y).backward()
+            acc = [p.grad.detach().view(-1) + r for (_, p), r in zip(named, before)]
+            opt.synchronize()
+            after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            all_acc, all_after = gather_dense(acc), gather_dense(after)
+            for i, (_, p) in enumerate(named):
+                got = p.grad.detach().view(-1).double().numpy()
+                # Conservation over the job: mean over ranks of what left each rank.
+                sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
+                worst_cons = max(worst_cons, float(np.abs(got - sent_mean).max()))
+                if compressor == "topk":
+                    # Independent reference: exact top-k of each rank's accumulator, summed, averaged.
+                    k = max(1, round(0.01 * got.size))
+                    ref = np.zeros_like(got)
+                    for a in all_acc:
+                        idx = np.argpartition(-np.abs(a[i]), k - 1)[:k]
+                        ref[idx] += a[i][idx]
+                    worst_ref = max(worst_ref, float(np.abs(got - ref / hvd.size()).max()))
+            missing += opt.last_stats.missing
+            with opt.skip_synchronize():
+                opt.step()
+        out[compressor] = {"ref_diff": worst_ref, "conservation_diff": worst_cons, "missing": missing,
+                           "density": opt.last_stats.density}
+    return out
+
+
+class Branchy(nn.Module):
+    """``only_rank0`` is used on rank 0 only; ``never`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.only_rank0 = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if hvd.rank() == 0:
+            h = h + self.only_rank0(h)
+        return self.b(torch.relu(h))
+
+
+def scenario_unused_parameters():
+    """No hang when ranks use different parameters; a rank's gradient is averaged over all ranks."""
+    out = {}
+    for label, kw in {"none": dict(compressor="none"), "topk@0.25": dict(compressor="topk", density=0.25)}.items():
+        torch.manual_seed(0)
+        m = Branchy()
+        opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters(), **kw)
+        for step in range(3):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(100 * step + hvd.rank())
+            m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+            local = m.only_rank0.weight.grad.clone() if m.only_rank0.weight.grad is not None else torch.zeros(4, 4)
+            opt.step()
+        out[label] = {"never_grad_abs": float(m.never.weight.grad.abs().sum()),
+                      "only_rank0_grad_abs": float(m.only_rank0.weight.grad.abs().sum()),
+                      "only_rank0_local_abs": float(local.abs().sum())}
+    return out
+
+
+def scenario_backward_passes():
+    """backward_passes_per_step=2 equals Horovod's accumulation; a third pass raises Horovod's error."""
+    ref_m, our_m = make(), make()
+    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1),
+                                   named_parameters=ref_m.named_parameters(), backward_passes_per_step=2)
+    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1),
+                                    named_parameters=our_m.named_parameters(), backward_passes_per_step=2,
+                                    compressor="none")
+    for step in range(2):
+        for m, o in ((ref_m, ref), (our_m, ours)):
+            o.zero_grad()
+            for micro in range(2):
+                x, y = batch(2 * step + micro)
+                F.cross_entropy(m(x), y).backward()
+            o.step()
+    diff = max_diff(params(ref_m), params(our_m))
+    ours.zero_grad()
+    error = ""
+    try:
+        for micro in range(3):
+            x, y = batch(micro)
+            F.cross_entropy(our_m(x), y).backward()
+    except AssertionError as e:
+        error = str(e)
+    ours.synchronize()  # leave no collective half-submitted
+    return {"param_diff": diff, "error": error}
+
+
+def scenario_broadcast_and_skip():
+    """broadcast_optimizer_state keeps working; synchronize + clip + skip_synchronize matches Horovod."""
+    m = make()
+    opt = saf.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.001 * (1 + hvd.rank())),
+                                   named_parameters=m.named_parameters())
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    lr = opt.param_groups[0]["lr"]
+    steps_after_broadcast = opt._controller.steps
+
+    ref_m, our_m = make(), make()
+    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
+    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
+                                    compressor="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step)
+            for mm, o in ((ref_m, ref), (our_m, ours)):
+                o.zero_grad()
+                F.cross_entropy(mm(x), y).backward()
+                o.synchronize()
+                torch.nn.utils.clip_grad_norm_(mm.parameters(), 0.5)
+                with o.skip_synchronize():
+                    o.step()
+    return {"lr": lr, "steps_after_broadcast": steps_after_broadcast,
+            "param_diff": max_diff(params(ref_m), params(our_m)), "warnings": [str(w.message) for w in caught]}
+
+
+def scenario_training():
+    """A short real training run learns well above chance (10 classes)."""
+    m = make(width=16)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
+                                   named_parameters=m.named_parameters(), compressor="dgc", density=0.01)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    for step in range(120):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    _, _, x_te, y_te = DATA
+    same = hvd.allgather_object([p.detach().numpy() for p in m.parameters()], name="train.params")
+    replicas_equal = all(np.array_equal(a, b) for r in same[1:] for a, b in zip(same[0], r))
+    return {"acc": accuracy(m, x_te, y_te), "replicas_equal": replicas_equal}
+
+
+def scenario_plan_mismatch():
+    """Different plans on different ranks: a clear error on every rank, naming the buffer."""
+    m = make()
+    cap = 1 if hvd.rank() == 0 else 10**9  # one buffer per tensor vs one buffer in all
+    try:
+        saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                 fusion=NaivePlanner(capacity_bytes=cap))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": ""}
+
+
+def main():
+    global DATA
+    hvd.init()
+    torch.set_num_threads(1)
+    DATA = load_digits_split()
+    out_dir = sys.argv[1]
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else [n[len("scenario_"):] for n in globals()
+                                                               if n.startswith("scenario_")]
+    results = {"size": hvd.size(), "rank": hvd.rank()}
+    for name in names:
+        try:
+            results[name] = globals()[f"scenario_{name}"]()
+        except Exception:  # record, so pytest shows which scenario failed and why
+            results[name] = {"exception": traceback.format_exc()}
+            raise
+        finally:
+            with open(os.path.join(out_dir, f"rank{hvd.rank()}.json"), "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
