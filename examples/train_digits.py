@@ -55,7 +55,7 @@ def train(scheme: str, args, data) -> dict:
             sent += dense_bytes if scheme == "horovod" else optimizer.last_stats.bytes_sent
             steps += 1
         train_time += time.perf_counter() - t0
-        bar.set_postfix(test_acc=f"{accuracy(model, x_te, y_te):.3f}")
+        bar.set_postfix(test_acc=f"{accuracy(model, x_te, y_te):.3f}", refresh=False)
     # Every rank measured its own time; the job is as fast as its slowest rank.
     train_time = hvd.allreduce(torch.tensor(train_time), op=hvd.Max, name=f"time.{scheme}").item()
     return {"scheme": scheme, "acc": accuracy(model, x_te, y_te),

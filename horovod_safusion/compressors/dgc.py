@@ -7,8 +7,9 @@ hierarchical selection); if far below, the sample is doubled and the estimate re
 §4 says, the gradient distribution changes slowly, so thresholds are re-estimated only every
 ``interval`` steps and reused in between; between estimations one vectorised pass over the flat
 buffer applies all segment thresholds at once. Error feedback makes the accumulated gradient grow
-while residuals build up, so a reused threshold whose segment selects more than ``drift · k`` or
-fewer than ``k / drift`` elements is re-estimated at once (counted with one ``bincount``).
+while residuals build up, so a reused threshold whose segment selects more than ``drift · (k + 1)``
+or fewer than ``k / drift`` elements is re-estimated at once (counted with one ``bincount``; the
+``+ 1`` keeps tiny segments with ``k = 1`` from being re-estimated for a handful of extra elements).
 
 A reused threshold can exceed a segment's current maximum; it is clipped to that maximum, so a
 segment with a nonzero gradient always keeps at least one element (SAFusion §3.1).
@@ -38,7 +39,7 @@ class DGC(Compressor):
             ``k / tolerance`` or more than ``k · tolerance`` elements.
         tolerance: accepted ratio between selected and target counts during refinement.
         drift: a reused threshold is re-estimated early when its count leaves
-            ``[k / drift, k · drift]``.
+            ``[k / drift, drift · (k + 1)]``.
         seed: seed of the sampling generator (each rank may sample differently; only counts
             depend on it, never correctness).
     """
@@ -102,8 +103,10 @@ class DGC(Compressor):
         seg_max.scatter_reduce_(0, segments.ids, absx, reduce="amax")
         indices = self._apply(absx, segments, seg_max)
         counts = segments.counts(indices)
-        drifted = {s for s in range(len(segments)) if s not in fresh and bool(seg_max[s] > 0)
-                   and not (ks[s] <= self.drift * counts[s] and counts[s] <= self.drift * ks[s])}
+        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
+        off_band &= seg_max > 0
+        off_band[list(fresh)] = False
+        drifted = set(torch.nonzero(off_band).flatten().tolist())
         if drifted:
             self._estimate(absx, segments, ks, drifted, step)
             indices = self._apply(absx, segments, seg_max)
