@@ -1,8 +1,11 @@
 """Command line: ``python -m horovod_safusion {list,plan} ...``.
 
 * ``list`` — the registered compressors, fusion planners and communicators.
-* ``plan --model MODULE:CALLABLE`` — the fusion plan a planner makes for a model (tensors in
-  back-propagation order as the optimizer assumes them), as a table.
+* ``plan`` — the fusion plan of every planner side by side, with the pipeline simulator's
+  predicted iteration time, for a saved profile (``--profile FILE``) or for a model profiled on the
+  spot in one process (``--model package.module:callable --input-shape C,H,W``). One process has no
+  network, so ``--latency`` and ``--bandwidth`` replace the communication curve by an α–β model
+  for what-if planning.
 """
 from __future__ import annotations
 
@@ -34,22 +37,58 @@ def load_model(spec: str):
     return getattr(importlib.import_module(module), attr)()
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from .generator import NaivePlanner, TensorInfo, make_planner
+def profile_model(args: argparse.Namespace):
+    """Profile a model in this process (a one-worker Horovod job) with the online generator."""
+    import torch
+    import horovod.torch as hvd
+    from tqdm import tqdm
+    from .optimizer import DistributedOptimizer
+
+    hvd.init()
     model = load_model(args.model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
-    planner = (NaivePlanner(args.capacity_bytes, args.order) if args.fusion == "safusion-naive"
-               else make_planner(args.fusion))
-    plan = planner.plan([TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}") for n, p in named])
-    params = dict(named)
-    print(f"{args.model}: {len(named)} parameter tensors, "
-          f"{sum(p.numel() for p in params.values()):,} elements")
-    print(plan.table({n: p.numel() for n, p in params.items()},
-                     {n: p.element_size() for n, p in params.items()}))
+    shape = tuple(int(v) for v in args.input_shape.split(","))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+                               compressor=args.compressor, density=args.density, fusion="safusion",
+                               profile_steps=args.steps)
+    x = torch.randn(args.batch_size, *shape)
+    for _ in tqdm(range(args.steps + 1), desc="profiling", file=sys.stderr):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    return opt.profile
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .generator import (CostCurve, InterPlanner, NaivePlanner, Profile, SAFusionPlanner, simulate)
+    if (args.profile is None) == (args.model is None):
+        raise SystemExit("give exactly one of --profile FILE or --model package.module:callable")
+    profile = Profile.load(args.profile) if args.profile else profile_model(args)
+    if args.save_profile:
+        profile.save(args.save_profile)
+        print(f"profile written to {args.save_profile}")
+    if args.latency is not None or args.bandwidth is not None:
+        if args.latency is None or args.bandwidth is None:
+            raise SystemExit("--latency and --bandwidth go together")
+        profile.communicate = CostCurve.alpha_beta(args.latency, args.bandwidth / 8)
+    planners = {"safusion-naive": NaivePlanner(args.capacity_bytes), "safusion-inter": InterPlanner(args.num_buffers),
+                "safusion": SAFusionPlanner()}
+    plans = {name: p.plan(profile.tensors, profile) for name, p in planners.items()}
+    schedules = {name: simulate(profile, plan) for name, plan in plans.items()}
+    total = sum(t.numel for t in profile.tensors)
+    print(f"{len(profile.tensors)} gradient tensors, {total:,} elements, density {profile.density:g}, "
+          f"{profile.workers} worker(s); {profile.meta.get('communicator', '?')} communication")
+    for name in planners:
+        print(f"\n[{name}] {len(plans[name].buffers)} buffers")
+        print(schedules[name].table())
+    print(f"\n{'planner':<16} {'buffers':>7} {'iteration ms':>12} {'NOCT ms':>8} {'vs naive':>8}")
+    base = schedules["safusion-naive"].iteration
+    for name, s in schedules.items():
+        print(f"{name:<16} {len(s.buffers):>7} {1e3 * s.iteration:>12.2f} {1e3 * s.noct:>8.2f} "
+              f"{base / s.iteration:>7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            f.write(plan.to_json(indent=1))
-        print(f"plan written to {args.json}")
+            f.write(plans["safusion"].to_json(indent=1))
+        print(f"safusion plan written to {args.json}")
     return 0
 
 
@@ -59,13 +98,20 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="registered compressors, planners and communicators").set_defaults(fn=cmd_list)
-    p = sub.add_parser("plan", help="print the fusion plan of a model")
-    p.add_argument("--model", required=True, help="importable constructor, e.g. torchvision.models:resnet18")
-    p.add_argument("--fusion", default="safusion-naive")
-    p.add_argument("--capacity-bytes", type=int, default=DEFAULT_CAPACITY_BYTES,
-                   help="dense bytes per buffer for safusion-naive")
-    p.add_argument("--order", choices=("ahead", "behind"), default="ahead")
-    p.add_argument("--json", help="also write the plan as JSON to this file")
+    p = sub.add_parser("plan", help="plans and predicted iteration times of every planner")
+    p.add_argument("--profile", help="a profile saved as JSON (optimizer.profile.save(path))")
+    p.add_argument("--model", help="importable constructor, e.g. models:resnet18 (with PYTHONPATH=examples)")
+    p.add_argument("--input-shape", default="1,8,8", help="one sample's shape for --model (default 1,8,8)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10, help="profiled iterations for --model")
+    p.add_argument("--compressor", default="dgc")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--latency", type=float, help="seconds per collective (α), with --bandwidth")
+    p.add_argument("--bandwidth", type=float, help="bits per second (β = 1/bandwidth), with --latency")
+    p.add_argument("--capacity-bytes", type=int, default=DEFAULT_CAPACITY_BYTES, help="for safusion-naive")
+    p.add_argument("--num-buffers", type=int, default=4, help="M for safusion-inter")
+    p.add_argument("--save-profile", help="write the profile used as JSON")
+    p.add_argument("--json", help="write the safusion plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -82,6 +82,21 @@ class FusionBuffer:
         return slice(off, off + self.tensors.sizes[slot])
 
 
+def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments,
+             step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Select from ``flat`` and leave the unselected rest in it (it becomes the residual).
+
+    Returns ``(values, indices)``; ``indices`` is ``None`` when everything is sent, and then
+    ``values`` is ``flat`` itself.
+    """
+    indices = None if compressor.dense else compressor.select(flat, segments, step)
+    if indices is None:
+        return flat, None
+    values = flat[indices]
+    flat.index_fill_(0, indices, 0)
+    return values, indices
+
+
 class Controller:
     """Fills fusion buffers from gradient hooks and synchronises one collective per buffer.
 
@@ -105,6 +120,7 @@ class Controller:
         self.residuals = ResidualStore()
         self.steps = 0
         self.last_stats = StepStats()
+        self.recorder = None  # a StepRecorder while the generator profiles this step
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -124,9 +140,14 @@ class Controller:
         buf, slot = self._slot[id(p)]
         if slot in buf.filled:
             return
+        rec = self.recorder
+        if rec:
+            rec.gradient_ready(buf.names[slot])
         self._fill(buf, slot)
         if len(buf.filled) == len(buf.names):
             self._launch(buf)
+        if rec:
+            rec.hook_done()
 
     def _gradient(self, buf: FusionBuffer, slot: int) -> torch.Tensor:
         p, name = buf.params[slot], buf.names[slot]
@@ -153,24 +174,26 @@ class Controller:
         buf.filled.add(slot)
 
     def _launch(self, buf: FusionBuffer) -> None:
-        flat = buf.flat
-        indices = None if self.compressor.dense else self.compressor.select(flat, buf.selection, self.steps)
+        rec = self.recorder
+        t0 = rec.clock.mark() if rec else None
+        values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
         if indices is None:
-            values = flat
             for name in buf.names:
                 self.residuals.discard(name)  # everything was sent
         else:
-            values = flat[indices]
-            flat.index_fill_(0, indices, 0)  # what stays behind is the new residual
-            for slot, name in enumerate(buf.names):
-                self.residuals.get(name, flat[buf.segment(slot)]).copy_(flat[buf.segment(slot)])
+            for slot, name in enumerate(buf.names):  # what stayed behind is the new residual
+                self.residuals.get(name, buf.flat[buf.segment(slot)]).copy_(buf.flat[buf.segment(slot)])
         buf.counts = None if indices is None else buf.tensors.counts(indices)
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
                                               self.prescale, self.postscale)
+        if rec:
+            rec.buffer_done(buf.index, t0, rec.clock.mark(), buf.pending.bytes_sent)
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
         """Start what has not started, wait for every buffer, write the aggregated ``p.grad``."""
+        if self.recorder:
+            self.recorder.synchronize_begins()
         for buf in self.buffers:  # same order on every rank
             if buf.pending is None:
                 for slot in range(len(buf.names)):

@@ -32,10 +32,11 @@ from horovod.torch.mpi_ops import rocm_built
 from .communicators import Communicator, make_communicator
 from .compressors import Compressor, make_compressor
 from .controller import Controller, StepStats
-from .generator import GroupsPlanner, Planner, TensorInfo, make_planner
+from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
+from .generator.online import OnlineGenerator
 from .plan import FusionPlan, check_plan_across_ranks
 
-DEFAULT_FUSION = "safusion-naive"
+DEFAULT_FUSION = "safusion"
 _SUPPORTED_OPS = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum"}
 _OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
 _STATE_KEY = "safusion"
@@ -45,7 +46,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor="dgc", density=None,
-                 communicator="auto", fusion=None):
+                 communicator="auto", fusion=None, profile_steps=10, replan_every=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
 
@@ -102,8 +103,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         comm = make_communicator(communicator, comp.dense, process_set, compression)
         prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                                if op == hvd.Average else (1.0, 1.0))
-        plan = self._planner.plan([TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
-                                   for n, p in self._named_trainable])
+        self._tensors = [TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
+                         for n, p in self._named_trainable]
+        self._generator = OnlineGenerator(self._planner, profile_steps=profile_steps, replan_every=replan_every)
+        plan = self._generator.initial_plan(self._tensors)
         self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
                                       sparse_as_dense)
         if self.process_set.included():
@@ -124,6 +127,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller.set_plan(plan)
         if self.process_set.included():
             check_plan_across_ranks(plan, self.process_set)
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile the current plan was made from (``None`` until profiling is done, and for
+        planners that need none)."""
+        return self._generator.profile
 
     @property
     def compressor(self) -> Compressor:
@@ -233,7 +242,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        if self._generator.active and self.process_set.included():
+            self._generator.step_ends(self._controller, self._tensors, self.process_set)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
@@ -274,7 +286,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          compressor: "str | Compressor" = "dgc",
                          density: float | None = None,
                          fusion: "str | Planner | None" = None,
-                         communicator: "str | Communicator" = "auto"):
+                         communicator: "str | Communicator" = "auto",
+                         profile_steps: int = 10,
+                         replan_every: int | None = None):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -293,13 +307,17 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                     see ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance.
         density: fraction of each tensor's elements sent per step, ``0 < density <= 1``
                  (default 0.01). Lower saves traffic; too low slows convergence.
-        fusion: name of a fusion planner (default ``"safusion-naive"``; see
-                ``horovod_safusion.available_planners()``) or a ``Planner`` instance.
-                Cannot be combined with Horovod's ``groups``.
+        fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized
+                buffers planned from an online profile; see ``horovod_safusion.available_planners()``)
+                or a ``Planner`` instance. Cannot be combined with Horovod's ``groups``.
         communicator: ``"auto"`` (dense allreduce for ``compressor="none"``, sparse allgather
                       otherwise), a registered name, or a ``Communicator`` instance.
+        profile_steps: iterations the generator measures before planning (after one warm-up
+                       iteration), for planners that need a profile. During them every
+                       collective is waited for at once, so they do not overlap communication.
+        replan_every: re-profile and re-plan every this many iterations (default: plan once).
 
-    The returned optimizer has ``plan``, ``set_plan()``, ``last_stats`` and ``residuals`` besides
+    The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats`` and ``residuals`` besides
     Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
     """
     if gradient_predivide_factor != 1.0:
@@ -333,4 +351,5 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                     __module__=_hvd_optimizer.__name__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set,
-               compressor=compressor, density=density, communicator=communicator, fusion=fusion)
+               compressor=compressor, density=density, communicator=communicator, fusion=fusion,
+               profile_steps=profile_steps, replan_every=replan_every)

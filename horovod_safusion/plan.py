@@ -179,3 +179,17 @@ def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: in
     if current:
         buffers.append(current)
     return buffers
+
+
+def split_at_group_changes(buffers: Sequence[Sequence[str]], group: dict[str, object]) -> list[list[str]]:
+    """Cut buffers where the group key (dtype, device) of consecutive tensors changes."""
+    out: list[list[str]] = []
+    for b in buffers:
+        current: list[str] = []
+        for n in b:
+            if current and group[n] != group[current[-1]]:
+                out.append(current)
+                current = []
+            current.append(n)
+        out.append(current)
+    return out

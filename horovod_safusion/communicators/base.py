@@ -19,14 +19,21 @@ C = TypeVar("C", bound=type)
 
 
 class Pending:
-    """An in-flight buffer synchronisation; ``wait()`` returns the reduced dense flat buffer."""
+    """An in-flight buffer synchronisation; ``wait()`` returns the reduced dense flat buffer.
+
+    ``wait()`` may be called again and returns the same result (the generator waits early while
+    profiling, the controller again in ``synchronize()``).
+    """
 
     def __init__(self, finish: Callable[[], torch.Tensor], bytes_sent: int) -> None:
         self._finish = finish
+        self._result: torch.Tensor | None = None
         self.bytes_sent = bytes_sent
 
     def wait(self) -> torch.Tensor:
-        return self._finish()
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 class Communicator(ABC):

@@ -1,7 +1,13 @@
-"""Generator: planners that turn tensors (and later, profiles) into fusion plans (SAFusion §4)."""
+"""Generator: profiles, cost curves, the pipeline simulator and the planners (SAFusion §4, Figure 12)."""
+from .adaptive import SAFusionPlanner
 from .base import Planner, TensorInfo, available_planners, make_planner, register_planner
+from .costs import CostCurve
 from .groups import GroupsPlanner
+from .inter import InterPlanner
 from .naive import NaivePlanner
+from .profile import Profile
+from .simulator import Schedule, simulate
 
-__all__ = ["GroupsPlanner", "NaivePlanner", "Planner", "TensorInfo", "available_planners",
-           "make_planner", "register_planner"]
+__all__ = ["CostCurve", "GroupsPlanner", "InterPlanner", "NaivePlanner", "Planner", "Profile",
+           "SAFusionPlanner", "Schedule", "TensorInfo", "available_planners", "make_planner",
+           "register_planner", "simulate"]

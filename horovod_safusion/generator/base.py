@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence, TypeVar
 
 from ..plan import FusionPlan
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 _REGISTRY: dict[str, type["Planner"]] = {}
 C = TypeVar("C", bound=type)
@@ -32,14 +35,23 @@ class TensorInfo:
 
 
 class Planner(ABC):
-    """Makes a :class:`FusionPlan` from tensors given in back-propagation order."""
+    """Makes a :class:`FusionPlan` from tensors given in back-propagation order.
+
+    Planners with ``needs_profile = True`` plan from measured costs: the optimizer first runs a
+    provisional plan, profiles the job online, and then switches every rank to the planner's plan.
+    """
 
     name: ClassVar[str] = "?"
     order: ClassVar[str] = "ahead"
+    needs_profile: ClassVar[bool] = False
 
     @abstractmethod
-    def plan(self, tensors: Sequence[TensorInfo]) -> FusionPlan:
-        """Return a plan holding every tensor exactly once, in the given order."""
+    def plan(self, tensors: Sequence[TensorInfo], profile: "Profile | None" = None) -> FusionPlan:
+        """Return a plan holding every tensor exactly once, in the given order.
+
+        ``profile`` (same on every rank) is given to planners that need one; its tensor order is
+        the measured back-propagation order and takes precedence over ``tensors``' order.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

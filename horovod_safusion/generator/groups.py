@@ -21,7 +21,7 @@ class GroupsPlanner(Planner):
     def __init__(self, groups: "int | Sequence[Sequence[str]]") -> None:
         self.groups = groups
 
-    def plan(self, tensors: Sequence[TensorInfo]) -> FusionPlan:
+    def plan(self, tensors: Sequence[TensorInfo], profile=None) -> FusionPlan:
         names = [t.name for t in tensors]
         if isinstance(self.groups, int):
             n = min(self.groups, len(names))

@@ -35,7 +35,7 @@ class NaivePlanner(Planner):
         self.capacity_bytes = int(capacity_bytes)
         self.order = order
 
-    def plan(self, tensors: Sequence[TensorInfo]) -> FusionPlan:
+    def plan(self, tensors: Sequence[TensorInfo], profile=None) -> FusionPlan:
         names = [t.name for t in tensors]
         buffers = split_by_capacity(names, {t.name: t.nbytes for t in tensors}, self.capacity_bytes,
                                     {t.name: t.group for t in tensors})

@@ -7,6 +7,7 @@ Gloo (not a power of two).
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"gloo-2": ("--gloo", 2), "mpi-2": ("--mpi", 2), "gloo-3": ("--gloo", 3)}
+LAUNCH_TIMEOUT = 300  # a whole launch takes well under a minute; longer means a hang
 _cache = {}
 
 
@@ -24,7 +26,16 @@ def launch(config, tmp_path_factory):
         horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
         cmd = [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", transport,
                sys.executable, os.path.join(HERE, "worker.py"), str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        # A new session, so that a hung job's workers can be killed with their launcher.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out_text, err_text = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out_text, err_text = proc.communicate()
+            err_text += f"\n*** killed after {LAUNCH_TIMEOUT} s (hang) ***"
+        proc = subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text)
         records = []
         for r in range(np_):
             path = out / f"rank{r}.json"
@@ -102,3 +113,15 @@ def test_plan_mismatch_is_a_clear_error_on_every_rank(job):
     for r in per_rank(job, "plan_mismatch"):
         assert "fusion plans differ across ranks" in r["error"]
         assert "fusion buffer 0 differs" in r["error"] or "number of fusion buffers differs" in r["error"]
+
+
+def test_generator_builds_identical_plans_from_different_local_timings(job):
+    recs = per_rank(job, "generator_alignment")
+    for r in recs:
+        assert r["planners"] == ["provisional"] * 3 + ["safusion"] * 3  # warm-up + 3 profiled steps
+        assert r["digests_equal"] and r["profiles_equal"]
+        assert r["shared_backward"] >= r["local_backward"]  # the element-wise max over ranks
+        assert r["switched_at"] == 2
+        assert r["switch_param_diff"] <= (0.0 if job[0]["size"] == 2 else 1e-6)
+    # rank 1 sleeps 10 ms in backward, rank 0 does not: they measured differently
+    assert recs[1]["local_backward"] > recs[0]["local_backward"] + 0.005

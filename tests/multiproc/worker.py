@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -235,9 +236,74 @@ def scenario_training():
         F.cross_entropy(m(x), y).backward()
         opt.step()
     _, _, x_te, y_te = DATA
+    assert opt.plan.planner == "safusion" and opt.profile is not None  # the default profiled and switched
     same = hvd.allgather_object([p.detach().numpy() for p in m.parameters()], name="train.params")
     replicas_equal = all(np.array_equal(a, b) for r in same[1:] for a, b in zip(same[0], r))
     return {"acc": accuracy(m, x_te, y_te), "replicas_equal": replicas_equal}
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``delay`` seconds: rank-dependent local timings."""
+
+    @staticmethod
+    def forward(ctx, x, delay):
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.delay)
+        return g, None
+
+
+class SlowOnSomeRanks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = DigitsCNN(width=8)
+
+    def forward(self, x):
+        h = self.inner.features(x)
+        return self.inner.head(SlowBackward.apply(h, 0.010 * hvd.rank()))
+
+
+def scenario_generator_alignment():
+    """Ranks measure different timings, yet profile and plan identically; the switch is exact."""
+    torch.manual_seed(0)
+    m = SlowOnSomeRanks()
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
+                                   compressor="dgc", density=0.01, profile_steps=3)
+    planners = []
+    for step in range(6):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        planners.append(opt.plan.planner)
+    digests = hvd.allgather_object(opt.plan.digest(), name="gen.digest")
+    profiles = hvd.allgather_object(json.dumps(opt.profile.to_dict(), sort_keys=True), name="gen.profile")
+    local = opt._generator.local
+
+    # density 1 through a plan switch: identical to Horovod's dense optimizer at every step
+    ref_m, our_m = make(), make()
+    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=ref_m.named_parameters())
+    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=our_m.named_parameters(), compressor="dgc", density=1.0,
+                                    profile_steps=2)
+    diff, switched_at = 0.0, None
+    for step in range(6):
+        x, y = batch(step)
+        for mm, o in ((ref_m, ref), (our_m, ours)):
+            o.zero_grad()
+            F.cross_entropy(mm(x), y).backward()
+            o.step()
+        diff = max(diff, max_diff(params(ref_m), params(our_m)))
+        if switched_at is None and ours.plan.planner == "safusion":
+            switched_at = step
+    return {"planners": planners, "digests_equal": len(set(digests)) == 1,
+            "profiles_equal": len(set(profiles)) == 1, "buffers": len(opt.plan.buffers),
+            "local_backward": max(local["ready"].values()),
+            "shared_backward": max(opt.profile.ready), "switch_param_diff": diff, "switched_at": switched_at}
 
 
 def scenario_plan_mismatch():

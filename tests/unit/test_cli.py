@@ -1,20 +1,34 @@
-"""``python -m horovod_safusion``: list the registries, print a model's plan."""
+"""``python -m horovod_safusion``: list the registries; plans side by side from a model or a profile."""
 import json
 
+import pytest
+
 from horovod_safusion.__main__ import main
+from horovod_safusion.generator import Profile
 
 
 def test_list_names_every_registry(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for name in ("dgc", "topk", "none", "safusion-naive", "allgather", "allreduce"):
+    for name in ("dgc", "topk", "none", "safusion-naive", "safusion-inter", "safusion", "allgather", "allreduce"):
         assert f"  {name} " in out
 
 
-def test_plan_prints_the_table_and_writes_json(capsys, tmp_path):
-    path = tmp_path / "plan.json"
-    assert main(["plan", "--model", "digits:DigitsCNN", "--capacity-bytes", "20000", "--json", str(path)]) == 0
+def test_plan_profiles_a_model_on_the_spot_then_replans_a_saved_profile(hvd, capsys, tmp_path):
+    prof, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["plan", "--model", "digits:DigitsCNN", "--steps", "3", "--save-profile", str(prof),
+                 "--json", str(plan)]) == 0
     out = capsys.readouterr().out
-    assert "16 parameter tensors, 45,418 elements" in out
-    plan = json.loads(path.read_text())
-    assert plan["buffers"][0][0] == "head.3.bias" and len(plan["buffers"]) == 7
+    assert "16 gradient tensors, 45,418 elements, density 0.01, 1 worker(s)" in out
+    for name in ("safusion-naive", "safusion-inter", "safusion"):
+        assert f"\n{name:<16} " in out  # one row per planner in the side-by-side table
+    assert "T_cm ms" in out and "predicted iteration" in out
+    p = Profile.load(prof)
+    assert sorted(json.loads(plan.read_text())["buffers"][0])[0] in p.names
+
+    # The same profile under a what-if network: 1 Gbit/s and 100 µs per collective.
+    assert main(["plan", "--profile", str(prof), "--latency", "1e-4", "--bandwidth", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "16 gradient tensors" in out
+    with pytest.raises(SystemExit, match="exactly one of"):
+        main(["plan"])

@@ -1,0 +1,96 @@
+"""``safusion``: aligned inter-worker fusion with adaptive intra-worker buffer sizing (SAFusion §3.3).
+
+Planned from a :class:`~horovod_safusion.generator.profile.Profile` that every rank shares, so the
+plan is the same on every worker — the alignment of §3.2 holds by construction (§3.4: the two are
+orthogonal). Over the tensors in measured back-propagation order:
+
+1. **First buffer, Eq. (2)**: the smallest ``N_1 ≥ 2`` with
+   ``T_b^1 + T_cm^1 < Σ_{j ≤ N_1} T_cm(G_j)`` — fusing beats sending the same gradients layer-wise;
+   ``N_1 = 1`` when no size does.
+2. **Growth, Eq. (1)**: buffer ``i ≥ 2`` starts with one gradient and grows while
+   ``T_cm^{i−1} ≥ T_cp^i + T_b^i`` still holds with the next gradient added, so its sparse tensor fusion
+   hides behind the previous buffer's communication and the link does not idle (Figure 10
+   removes the waits W_1..W_3 of Figure 9). Eq. (1) is the formal rule; Figure 10's prose
+   ("increase Buffer_2 until F_2 ≥ C_1") describes the same boundary from the other side — we stop
+   at the last size that still satisfies Eq. (1), so no wait is introduced.
+3. **Long tail, Eq. (3)**: the first ``M' < M`` with
+   ``Σ_{i ≤ M'} T_cm^i > Σ_{j ≥ 2} (T_b^j + T_cp^j)`` marks buffers whose communication can no longer
+   overlap any fusion; buffers ``M'..M`` are merged into one (Figure 11: buffers 4–6 merge).
+
+Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
+then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..plan import FusionPlan, split_at_group_changes
+from .base import Planner, TensorInfo, register_planner
+from .profile import Profile
+
+
+@register_planner("safusion")
+class SAFusionPlanner(Planner):
+    """Adaptive buffer sizing by SAFusion Eqs. (1)–(3) on a shared profile.
+
+    Args:
+        profile: a saved :class:`Profile` to plan from at once; by default the optimizer
+            profiles the job online first.
+        long_tail: apply Step-2 (Eq. 3). Off, the plan is Step-1's alone (Figure 10), for ablations.
+    """
+
+    needs_profile = True
+
+    def __init__(self, profile: Profile | None = None, long_tail: bool = True) -> None:
+        self.profile = profile
+        self.long_tail = long_tail
+
+    def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:
+        profile = profile if profile is not None else self.profile
+        if profile is None:
+            raise ValueError("the 'safusion' planner plans from a profile; the optimizer profiles the "
+                             "job online first (or pass one: planner.plan(tensors, profile))")
+        names = profile.names
+        buffers = self._grow(profile, names)
+        buffers, merged_from = self._merge_long_tail(profile, buffers) if self.long_tail else (buffers, None)
+        group = {t.name: t.group for t in profile.tensors}
+        return FusionPlan(split_at_group_changes(buffers, group), order=self.order, planner=self.name,
+                          meta={"first_buffer": len(buffers[0]), "long_tail_merged_from": merged_from})
+
+    # ---- Eqs. (1) and (2) ------------------------------------------------------------------------
+    def _fusion(self, p: Profile, names: Sequence[str], previous_last: str | None) -> float:
+        """Sparse tensor fusion time T_b + T_cp of a buffer."""
+        return p.t_b(names, previous_last) + p.t_cp(names, self.order)
+
+    def _first_size(self, p: Profile, names: Sequence[str]) -> int:
+        layerwise = 0.0
+        for m in range(1, len(names) + 1):
+            layerwise += p.t_cm([names[m - 1]], self.order)
+            if m >= 2 and p.t_b(names[:m], None) + p.t_cm(names[:m], self.order) < layerwise:
+                return m
+        return 1
+
+    def _grow(self, p: Profile, names: Sequence[str]) -> list[list[str]]:
+        n1 = self._first_size(p, names)
+        buffers = [list(names[:n1])]
+        start = n1
+        while start < len(names):
+            budget = p.t_cm(buffers[-1], self.order)  # T_cm^{i-1}
+            previous_last = buffers[-1][-1]
+            m = 1
+            while start + m < len(names) and self._fusion(p, names[start:start + m + 1], previous_last) <= budget:
+                m += 1
+            buffers.append(list(names[start:start + m]))
+            start += m
+        return buffers
+
+    # ---- Eq. (3) ---------------------------------------------------------------------------------
+    def _merge_long_tail(self, p: Profile, buffers: list[list[str]]) -> tuple[list[list[str]], int | None]:
+        fusion_after_first = sum(self._fusion(p, b, prev[-1]) for prev, b in zip(buffers, buffers[1:]))
+        communicated = 0.0
+        for m_prime in range(len(buffers) - 1):  # 0-based M'; M' < M
+            communicated += p.t_cm(buffers[m_prime], self.order)
+            if communicated > fusion_after_first:
+                tail = [n for b in buffers[m_prime:] for n in b]
+                return buffers[:m_prime] + [tail], m_prime + 1
+        return buffers, None

@@ -1,0 +1,268 @@
+"""Online profiling and re-planning: the generator's loop of SAFusion §4 (Figure 12).
+
+The optimizer starts on a provisional plan (one buffer per tensor). After ``warmup_steps`` it
+profiles ``profile_steps`` iterations: every hook records when its gradient arrived and how long
+the plugin worked in it (copy into the buffer, compression), so back-propagation's own pace can be
+separated from the plugin's. At the end of the last profiled step, on every rank at the same
+point, a short sweep measures the compressor (one buffer of each size, locally, on a copy of the
+compressor) and the active communicator (one collective of each message size, all ranks in
+lockstep). The communicator is timed by this sweep, not inside the training step: Horovod reports
+no completion time for an asynchronous collective, and waiting for one inside a gradient hook
+deadlocks ranks whose graphs differ (a parameter used on one rank only). Measurements are reduced
+across ranks — back-propagation and compression times by the element-wise maximum (the slowest
+rank sets the pace), collective times by the minimum (the last rank to arrive sees the
+collective's own duration, the others also their wait for it) — so every rank builds the same
+:class:`Profile` and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing is lost across the switch. ``replan_every=R``
+re-profiles (on the current plan) every R steps.
+
+Timestamps come from :class:`Clock`: ``time.perf_counter`` on CPU, CUDA events on GPU (resolved
+at the end of the step, so hooks never wait for the device to measure time).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from ..plan import FusionPlan, check_plan_across_ranks
+from ..segment import Segments
+from .base import Planner, TensorInfo
+from .costs import CostCurve
+from .profile import Profile
+
+SWEEP_POINTS = 12
+
+
+class Clock:
+    """Marks points in time without synchronising the host with the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+@dataclass
+class StepRecorder:
+    """Marks of one profiled step, filled by the controller's hooks."""
+
+    clock: Clock
+    previous_end: Any
+    hooks: list = field(default_factory=list)      # (name, enter mark, exit mark)
+    buffers: list = field(default_factory=list)    # (buffer index, compress start, end, bytes sent)
+    sync_begin: Any = None
+    _pending: tuple | None = None
+
+    def gradient_ready(self, name: str) -> None:
+        self._pending = (name, self.clock.mark())
+
+    def hook_done(self) -> None:
+        name, enter = self._pending
+        self.hooks.append((name, enter, self.clock.mark()))
+
+    def buffer_done(self, index: int, t0: Any, t1: Any, nbytes: int) -> None:
+        self.buffers.append((index, t0, t1, nbytes))
+
+    def synchronize_begins(self) -> None:
+        self.sync_begin = self.clock.mark()
+
+    def resolve(self, step_end: Any) -> dict:
+        """Seconds: pure ready offsets per tensor, prefix, suffix; per buffer compression and bytes."""
+        sec = self.clock.seconds
+        ready, busy = {}, 0.0
+        first = self.hooks[0][1] if self.hooks else self.sync_begin
+        for name, enter, leave in self.hooks:
+            ready[name] = sec(first, enter) - busy
+            busy += sec(enter, leave)
+        buffers = {i: (sec(t0, t1), nbytes) for i, t0, t1, nbytes in self.buffers}
+        return {"ready": ready, "prefix": sec(self.previous_end, first),
+                "suffix": sec(self.sync_begin, step_end), "buffers": buffers}
+
+
+class OnlineGenerator:
+    """Drives provisional plan → profile → plan for planners that need a profile.
+
+    Args:
+        planner: the planner to switch to (``needs_profile`` planners profile first).
+        profile_steps: K, iterations measured per profile. More average out noise.
+        warmup_steps: iterations skipped before profiling (caches, allocator, Horovod's warm-up).
+        replan_every: re-profile and re-plan every this many steps; ``None`` plans once.
+    """
+
+    def __init__(self, planner: Planner, profile_steps: int = 10, warmup_steps: int = 1,
+                 replan_every: int | None = None) -> None:
+        if profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {profile_steps!r}")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (the first step has no previous step end), "
+                             f"got {warmup_steps!r}")
+        if replan_every is not None and replan_every <= profile_steps:
+            raise ValueError(f"replan_every must be larger than profile_steps={profile_steps}, "
+                             f"got {replan_every!r}")
+        self.planner = planner
+        self.profile_steps = profile_steps
+        self.warmup_steps = warmup_steps
+        self.replan_every = replan_every
+        self.profile: Profile | None = getattr(planner, "profile", None)
+        self.steps = 0
+        self._record_from = warmup_steps
+        self._samples: list[dict] = []
+        self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
+
+    @property
+    def active(self) -> bool:
+        """Whether this generator still has profiling to do (otherwise the optimizer can drop it)."""
+        return self.planner.needs_profile and (self.profile is None or self.replan_every is not None)
+
+    def initial_plan(self, tensors: Sequence[TensorInfo]) -> FusionPlan:
+        """The planner's plan if it needs no measurements, else one buffer per tensor."""
+        if not self.planner.needs_profile:
+            return self.planner.plan(tensors)
+        if self.profile is not None:
+            return self.planner.plan(tensors, self.profile)
+        return FusionPlan([[t.name] for t in tensors], order=self.planner.order, planner="provisional")
+
+    # ---- called by the optimizer at the end of every step() ------------------------------------
+    def step_ends(self, controller, tensors: Sequence[TensorInfo], process_set) -> None:
+        clock = Clock(controller.buffers[0].device)
+        now = clock.mark()
+        if controller.recorder is not None:
+            self._samples.append(controller.recorder.resolve(now))
+            controller.recorder = None
+        self.steps += 1
+        if len(self._samples) == self.profile_steps:
+            self.profile = self.build_profile(controller, tensors, process_set)
+            plan = self.planner.plan(tensors, self.profile)
+            controller.set_plan(plan)
+            check_plan_across_ranks(plan, process_set)
+            self._samples = []
+            self._record_from = self.steps + self.replan_every - self.profile_steps if self.replan_every else None
+        if self._record_from is not None and self.steps >= self._record_from:
+            controller.recorder = StepRecorder(clock, now)
+
+    # ---- measurements → profile ----------------------------------------------------------------
+    def build_profile(self, controller, tensors: Sequence[TensorInfo], process_set) -> Profile:
+        """Reduce the recorded steps and the sweeps across ranks into one shared profile."""
+        names = [t.name for t in tensors]
+        s = self._samples
+        ready = [float(np.median([x["ready"].get(n, np.nan) for x in s])) for n in names]
+        ready = [0.0 if np.isnan(r) else r for r in ready]
+        prefix = float(np.median([x["prefix"] for x in s]))
+        suffix = float(np.median([x["suffix"] for x in s]))
+        cp_sizes, cp_secs, per_segment = compression_sweep(controller, tensors)
+        cm_bytes, cm_secs = communication_sweep(controller, tensors, process_set)
+        self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
+
+        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "safusion.profile.max",
+                             process_set)
+        cm_secs = _allreduce(cm_secs, hvd.Min, "safusion.profile.min", process_set)
+        L, C = len(names), len(cp_secs)
+        ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
+
+        order = sorted(range(L), key=lambda i: (ready[i], i))
+        comp, comm = controller.compressor, controller.communicator
+        wire = _wire_bytes(comm, tensors)
+        return Profile(
+            tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
+            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=CostCurve(cm_bytes, cm_secs),
+            density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
+            workers=process_set.size(),
+            meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
+                  "profiled_plan": controller.plan.planner, "step": self.steps})
+
+
+def _allreduce(values: list[float], op: int, name: str, process_set) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return hvd.allreduce(t, op=op, name=name, process_set=process_set).tolist()
+
+
+def _wire_bytes(communicator, tensors: Sequence[TensorInfo]) -> dict[str, int]:
+    """Bytes per selected element on the wire: the (possibly fp16-compressed) value + int32 index."""
+    out = {}
+    for t in tensors:
+        dtype = getattr(torch, t.group.split("@")[0].replace("torch.", ""))
+        sent, _ = communicator.compression.compress(torch.zeros(1, dtype=dtype))
+        out[t.name] = sent.element_size() + 4
+    return out
+
+
+def _sizes(lo: int, hi: int) -> list[int]:
+    return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
+
+
+def compression_sweep(controller, tensors: Sequence[TensorInfo],
+                      steps: int = 10) -> tuple[list[int], list[float], float]:
+    """Compression cost of the job's compressor (a copy of it, so the job's state is untouched).
+
+    Returns the swept dense sizes, the seconds to compress one buffer of one segment of each size,
+    and the extra seconds per additional segment (measured on a buffer cut into 16 segments),
+    because the controller selects a whole buffer in one pass.
+    """
+    from ..controller import sparsify
+
+    numels = [t.numel for t in tensors]
+    buf = max(controller.buffers, key=lambda b: b.numel)
+    element = torch.empty((), dtype=buf.dtype).element_size()
+    sizes = _sizes(min(numels), max(numels))
+    if controller.compressor.dense:
+        return [n * element for n in sizes], [0.0] * len(sizes), 0.0
+    clock = Clock(buf.device)
+
+    def timed(seg_sizes: tuple[int, ...]) -> float:
+        comp = copy.deepcopy(controller.compressor)
+        seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), seg_sizes, buf.device)
+        data = torch.randn(seg.numel, dtype=buf.dtype, device=buf.device)
+        flat = data.clone()
+        sparsify(comp, flat, seg, 0)  # warm-up
+        a = clock.mark()
+        for step in range(1, steps + 1):
+            flat.copy_(data)
+            sparsify(comp, flat, seg, step)
+        return clock.seconds(a, clock.mark()) / steps
+
+    seconds = [timed((n,)) for n in sizes]
+    n = max(16, int(np.median(numels)) * 16)
+    per_segment = max(0.0, (timed((n // 16,) * 16) - timed((n // 16 * 16,))) / 15)
+    return [n * element for n in sizes], seconds, per_segment
+
+
+def communication_sweep(controller, tensors: Sequence[TensorInfo], process_set,
+                        reps: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds of one collective of the job's communicator for swept message sizes (all ranks)."""
+    comm, comp = controller.communicator, controller.compressor
+    buf = max(controller.buffers, key=lambda b: b.numel)
+    total = sum(t.numel for t in tensors)
+    density = 1.0 if comp.dense else comp.density
+    most = total if comm.dense else max(1, int(1.5 * density * total) + len(tensors))
+    clock = Clock(buf.device)
+    nbytes, seconds = [], []
+    for j, count in enumerate(_sizes(1, most)):
+        numel = count if comm.dense or density >= 1.0 else max(count, int(count / density))
+        values = torch.randn(count, dtype=buf.dtype, device=buf.device)
+        indices = None if comm.dense else torch.arange(count, device=buf.device) * (numel // count)
+        times = []
+        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
+            a = clock.mark()
+            pending = comm.start(f"sweep.{j}", values, indices, numel, hvd.Sum, 1.0, 1.0)
+            pending.wait()
+            if r:
+                times.append(clock.seconds(a, clock.mark()))
+        nbytes.append(float(pending.bytes_sent))
+        seconds.append(float(np.median(times)))
+    return nbytes, seconds

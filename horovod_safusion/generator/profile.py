@@ -1,0 +1,135 @@
+"""A job's profile: what the generator measured online, and the costs derived from it.
+
+SAFusion §4, "Generator module": "The generator gets the gradient communication time and
+compression time by online profiling." A :class:`Profile` holds, for one job,
+
+* the tensors in measured back-propagation order with their *pure* gradient-ready offsets
+  (seconds after the first gradient, with the plugin's own work removed),
+* the time before the first gradient (forward and the head of backward) and after the last
+  collective (write-back and optimizer step),
+* the compression cost curve (one buffer of one segment, seconds against dense bytes) plus the
+  extra cost of each further segment — the controller selects a whole buffer in one pass, so a
+  buffer of many small tensors does not pay a fixed cost per tensor — and the communication cost
+  curve (one collective of the active communicator, seconds against message bytes),
+* the density and wire format needed to predict message sizes.
+
+It is the same on every rank (reduced across ranks before use) and round-trips through JSON, so a
+plan can be made, inspected and compared offline. The quantities of SAFusion Table 1 for a buffer
+of tensors are :meth:`t_b`, :meth:`t_cp` and :meth:`t_cm`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .base import TensorInfo
+from .costs import CostCurve
+
+
+@dataclass
+class Profile:
+    """Measured costs of one job (see the module docstring).
+
+    Attributes:
+        tensors: gradient tensors in measured back-propagation order.
+        ready: per tensor, seconds from the first gradient to this gradient, plugin work removed.
+        prefix: seconds from the end of one step to the first gradient of the next.
+        suffix: seconds from the last collective's end to the end of ``step()``.
+        compress: compression seconds of a one-segment buffer against its dense bytes.
+        communicate: one collective's seconds against the bytes one rank sends.
+        density: the compressor's target density.
+        wire_bytes: bytes one selected element occupies on the wire, per tensor name.
+        dense_comm: the communicator sends whole buffers (message = dense bytes).
+        workers: number of ranks of the job.
+        segment_cost: extra compression seconds per additional segment of a buffer.
+        meta: free-form provenance (compressor, communicator, iterations, observed waits).
+    """
+
+    tensors: list[TensorInfo]
+    ready: list[float]
+    prefix: float
+    suffix: float
+    compress: CostCurve
+    communicate: CostCurve
+    density: float
+    wire_bytes: dict[str, int]
+    dense_comm: bool = False
+    segment_cost: float = 0.0
+    workers: int = 1
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.ready) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensors but {len(self.ready)} ready times")
+        self._index = {t.name: i for i, t in enumerate(self.tensors)}
+        self._info = {t.name: t for t in self.tensors}
+
+    # ---- the quantities of SAFusion Table 1 -----------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def ready_of(self, name: str) -> float:
+        return self.ready[self._index[name]]
+
+    def selected(self, names: Sequence[str], order: str = "ahead") -> int:
+        """Elements one rank is expected to send for these tensors."""
+        if self.dense_comm:
+            return sum(self._info[n].numel for n in names)
+        if order == "behind":
+            return max(1, round(self.density * sum(self._info[n].numel for n in names)))
+        return sum(max(1, round(self.density * self._info[n].numel)) for n in names)
+
+    def dense_bytes(self, names: Sequence[str]) -> int:
+        return sum(self._info[n].nbytes for n in names)
+
+    def message_bytes(self, names: Sequence[str], order: str = "ahead") -> float:
+        """Bytes one rank sends for a buffer of these tensors (dense, or selected rows)."""
+        if self.dense_comm:
+            return float(self.dense_bytes(names))
+        row = max(self.wire_bytes[n] for n in names)
+        return float(self.selected(names, order) * row)
+
+    def t_cm(self, names: Sequence[str], order: str = "ahead") -> float:
+        """T_cm: communication time of one buffer holding ``names``."""
+        return self.communicate(self.message_bytes(names, order))
+
+    def t_cp(self, names: Sequence[str], order: str = "ahead") -> float:
+        """T_cp: compression time of the buffer: one pass, plus a segment per tensor under ``ahead``."""
+        if self.density >= 1.0:
+            return 0.0
+        extra = 0 if order == "behind" else len(names) - 1
+        return self.compress(self.dense_bytes(names)) + self.segment_cost * extra
+
+    def t_b(self, names: Sequence[str], previous_last: str | None) -> float:
+        """T_b: back-propagation time producing this buffer's gradients, after the previous buffer."""
+        start = 0.0 if previous_last is None else self.ready_of(previous_last)
+        return max(0.0, max(self.ready_of(n) for n in names) - start)
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"tensors": [[t.name, t.numel, t.element_size, t.group] for t in self.tensors],
+                "ready": list(self.ready), "prefix": self.prefix, "suffix": self.suffix,
+                "compress": self.compress.to_dict(), "communicate": self.communicate.to_dict(),
+                "density": self.density, "wire_bytes": self.wire_bytes, "dense_comm": self.dense_comm,
+                "segment_cost": self.segment_cost,
+                "workers": self.workers, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        return cls(tensors=[TensorInfo(*t) for t in d["tensors"]], ready=list(d["ready"]),
+                   prefix=d["prefix"], suffix=d["suffix"], compress=CostCurve.from_dict(d["compress"]),
+                   communicate=CostCurve.from_dict(d["communicate"]), density=d["density"],
+                   wire_bytes=dict(d["wire_bytes"]), dense_comm=d.get("dense_comm", False),
+                segment_cost=d.get("segment_cost", 0.0),
+                   workers=d.get("workers", 1), meta=d.get("meta", {}))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
