@@ -174,8 +174,6 @@ class Controller:
         buf.filled.add(slot)
 
     def _launch(self, buf: FusionBuffer) -> None:
-        rec = self.recorder
-        t0 = rec.clock.mark() if rec else None
         values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
         if indices is None:
             for name in buf.names:
@@ -186,14 +184,11 @@ class Controller:
         buf.counts = None if indices is None else buf.tensors.counts(indices)
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
                                               self.prescale, self.postscale)
-        if rec:
-            rec.buffer_done(buf.index, t0, rec.clock.mark(), buf.pending.bytes_sent)
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
         """Start what has not started, wait for every buffer, write the aggregated ``p.grad``."""
-        if self.recorder:
-            self.recorder.synchronize_begins()
+        rec = self.recorder
         for buf in self.buffers:  # same order on every rank
             if buf.pending is None:
                 for slot in range(len(buf.names)):
@@ -202,9 +197,13 @@ class Controller:
                 self._launch(buf)
         stats = StepStats(buffers=len(self.buffers))
         for buf in self.buffers:
-            out = buf.pending.wait()
+            buf.pending.collect()  # waiting: communication
+            t0 = rec.clock.mark() if rec else None
+            out = buf.pending.wait()  # decoding and write-back: computation after communication
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
+            if rec:
+                rec.aggregated(t0, rec.clock.mark())
             stats.tensors += len(buf.names)
             stats.elements += buf.numel
             stats.bytes_sent += buf.pending.bytes_sent
@@ -217,6 +216,8 @@ class Controller:
             buf.filled.clear()
         self.steps += 1
         self.last_stats = stats
+        if rec:
+            rec.synchronized()
         return stats
 
     @staticmethod

@@ -30,8 +30,8 @@ class Allgather(Communicator):
         handle = hvd.allgather_async(rows, name=f"saf.ag.{tag}", process_set=self.process_set)
         scale = postscale / (self.process_set.size() if op == hvd.Average else 1)
 
-        def finish() -> torch.Tensor:
-            got_values, got_indices = wire.unpack(hvd.synchronize(handle), sent.dtype)
+        def decode(rows: torch.Tensor) -> torch.Tensor:
+            got_values, got_indices = wire.unpack(rows, sent.dtype)
             got_values = self.compression.decompress(got_values, ctx).to(dtype)
             out = torch.zeros(numel, dtype=dtype, device=device)
             out.index_add_(0, got_indices, got_values)
@@ -39,4 +39,4 @@ class Allgather(Communicator):
                 out.mul_(scale)
             return out
 
-        return Pending(finish, rows.numel())
+        return Pending(lambda: hvd.synchronize(handle), decode, rows.numel())

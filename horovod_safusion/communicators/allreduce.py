@@ -29,7 +29,7 @@ class Allreduce(Communicator):
         handle = hvd.allreduce_async_(sent, name=f"saf.ar.{tag}", op=op, prescale_factor=prescale,
                                       postscale_factor=postscale, process_set=self.process_set)
 
-        def finish() -> torch.Tensor:
-            return self.compression.decompress(hvd.synchronize(handle), ctx).to(dtype)
+        def decode(reduced: torch.Tensor) -> torch.Tensor:
+            return self.compression.decompress(reduced, ctx).to(dtype)
 
-        return Pending(finish, sent.numel() * sent.element_size())
+        return Pending(lambda: hvd.synchronize(handle), decode, sent.numel() * sent.element_size())

@@ -19,20 +19,28 @@ C = TypeVar("C", bound=type)
 
 
 class Pending:
-    """An in-flight buffer synchronisation; ``wait()`` returns the reduced dense flat buffer.
+    """An in-flight buffer synchronisation, in two phases.
 
-    ``wait()`` may be called again and returns the same result (the generator waits early while
-    profiling, the controller again in ``synchronize()``).
+    ``collect()`` waits for the collective and returns its raw output; ``decode(raw)`` turns that
+    into the reduced dense flat buffer (unpacking, ``index_add_``, scaling). The controller times
+    them apart: waiting is communication, decoding is computation. ``wait()`` does both; every
+    phase runs once and later calls return the same result.
     """
 
-    def __init__(self, finish: Callable[[], torch.Tensor], bytes_sent: int) -> None:
-        self._finish = finish
+    def __init__(self, collect: Callable[[], Any], decode: Callable[[Any], torch.Tensor], bytes_sent: int) -> None:
+        self._collect, self._decode = collect, decode
+        self._raw: Any = None
         self._result: torch.Tensor | None = None
         self.bytes_sent = bytes_sent
 
+    def collect(self) -> Any:
+        if self._raw is None:
+            self._raw = self._collect()
+        return self._raw
+
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self._finish()
+            self._result = self._decode(self.collect())
         return self._result
 
 

@@ -17,6 +17,13 @@ orthogonal). Over the tensors in measured back-propagation order:
    ``Σ_{i ≤ M'} T_cm^i > Σ_{j ≥ 2} (T_b^j + T_cp^j)`` marks buffers whose communication can no longer
    overlap any fusion; buffers ``M'..M`` are merged into one (Figure 11: buffers 4–6 merge).
 
+**Guard** (ours, on by default): §3.2 leaves the number M of aligned buffers open, and when
+compression and collective start-up are expensive next to back-propagation, Eq. (1) admits only one
+gradient per buffer and Steps 1–2 end near layer-wise. The planner therefore also simulates the
+aligned plans with M ∈ {1, 2, 4, 8, 16} (§3.2) under the same profile and keeps whichever plan the
+pipeline simulator predicts fastest; ``plan.meta`` records every candidate's prediction.
+``guard=False`` returns Steps 1–2's plan unchanged, as the paper specifies it.
+
 Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
 then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
 """
@@ -26,24 +33,30 @@ from typing import Sequence
 
 from ..plan import FusionPlan, split_at_group_changes
 from .base import Planner, TensorInfo, register_planner
+from .inter import InterPlanner
 from .profile import Profile
+from .simulator import simulate
+
+GUARD_BUFFER_COUNTS = (1, 2, 4, 8, 16)
 
 
 @register_planner("safusion")
 class SAFusionPlanner(Planner):
-    """Adaptive buffer sizing by SAFusion Eqs. (1)–(3) on a shared profile.
+    """Adaptive buffer sizing by SAFusion Eqs. (1)–(3) on a shared profile, guarded by the simulator.
 
     Args:
         profile: a saved :class:`Profile` to plan from at once; by default the optimizer
             profiles the job online first.
         long_tail: apply Step-2 (Eq. 3). Off, the plan is Step-1's alone (Figure 10), for ablations.
+        guard: keep an aligned plan instead when the simulator predicts it faster (see above).
     """
 
     needs_profile = True
 
-    def __init__(self, profile: Profile | None = None, long_tail: bool = True) -> None:
+    def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True) -> None:
         self.profile = profile
         self.long_tail = long_tail
+        self.guard = guard
 
     def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:
         profile = profile if profile is not None else self.profile
@@ -54,8 +67,19 @@ class SAFusionPlanner(Planner):
         buffers = self._grow(profile, names)
         buffers, merged_from = self._merge_long_tail(profile, buffers) if self.long_tail else (buffers, None)
         group = {t.name: t.group for t in profile.tensors}
-        return FusionPlan(split_at_group_changes(buffers, group), order=self.order, planner=self.name,
-                          meta={"first_buffer": len(buffers[0]), "long_tail_merged_from": merged_from})
+        plan = FusionPlan(split_at_group_changes(buffers, group), order=self.order, planner=self.name,
+                          meta={"first_buffer": len(buffers[0]), "long_tail_merged_from": merged_from,
+                                "chosen": "adaptive"})
+        return self._guarded(profile, plan) if self.guard else plan
+
+    def _guarded(self, p: Profile, adaptive: FusionPlan) -> FusionPlan:
+        candidates = {"adaptive": adaptive}
+        for m in sorted({min(m, len(p.tensors)) for m in GUARD_BUFFER_COUNTS}):
+            candidates[f"aligned-{m}"] = InterPlanner(m).plan(p.tensors, p)
+        predicted = {k: simulate(p, plan).iteration for k, plan in candidates.items()}
+        best = min(predicted, key=lambda k: (predicted[k], k != "adaptive"))
+        meta = dict(adaptive.meta, chosen=best, predicted_s=predicted)
+        return FusionPlan(candidates[best].buffers, order=self.order, planner=self.name, meta=meta)
 
     # ---- Eqs. (1) and (2) ------------------------------------------------------------------------
     def _fusion(self, p: Profile, names: Sequence[str], previous_last: str | None) -> float:

@@ -65,8 +65,8 @@ class StepRecorder:
     clock: Clock
     previous_end: Any
     hooks: list = field(default_factory=list)      # (name, enter mark, exit mark)
-    buffers: list = field(default_factory=list)    # (buffer index, compress start, end, bytes sent)
-    sync_begin: Any = None
+    aggregations: list = field(default_factory=list)  # (decode start, write-back end) per buffer
+    sync_end: Any = None
     _pending: tuple | None = None
 
     def gradient_ready(self, name: str) -> None:
@@ -76,23 +76,24 @@ class StepRecorder:
         name, enter = self._pending
         self.hooks.append((name, enter, self.clock.mark()))
 
-    def buffer_done(self, index: int, t0: Any, t1: Any, nbytes: int) -> None:
-        self.buffers.append((index, t0, t1, nbytes))
+    def aggregated(self, t0: Any, t1: Any) -> None:
+        self.aggregations.append((t0, t1))
 
-    def synchronize_begins(self) -> None:
-        self.sync_begin = self.clock.mark()
+    def synchronized(self) -> None:
+        self.sync_end = self.clock.mark()
 
     def resolve(self, step_end: Any) -> dict:
-        """Seconds: pure ready offsets per tensor, prefix, suffix; per buffer compression and bytes."""
+        """Seconds: pure ready offsets per tensor, prefix and suffix."""
         sec = self.clock.seconds
         ready, busy = {}, 0.0
-        first = self.hooks[0][1] if self.hooks else self.sync_begin
+        first = self.hooks[0][1] if self.hooks else self.sync_end
         for name, enter, leave in self.hooks:
             ready[name] = sec(first, enter) - busy
             busy += sec(enter, leave)
-        buffers = {i: (sec(t0, t1), nbytes) for i, t0, t1, nbytes in self.buffers}
-        return {"ready": ready, "prefix": sec(self.previous_end, first),
-                "suffix": sec(self.sync_begin, step_end), "buffers": buffers}
+        # After the last collective: decoding and write-back of every buffer, then the optimizer's
+        # own step. Waiting for collectives is communication, which the simulator models itself.
+        suffix = sum(sec(a, b) for a, b in self.aggregations) + sec(self.sync_end, step_end)
+        return {"ready": ready, "prefix": sec(self.previous_end, first), "suffix": suffix}
 
 
 class OnlineGenerator:
