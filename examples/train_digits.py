@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by the worker count")
     ap.add_argument("--compressor", default="dgc")
     ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--fusion", default="safusion-naive")
+    ap.add_argument("--fusion", default="safusion")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
