@@ -19,12 +19,12 @@ def _first_line(obj) -> str:
 
 
 def cmd_list(_: argparse.Namespace) -> int:
-    from . import compressors, communicators, generator
-    for title, registry in (("compressors", compressors.base._REGISTRY),
-                            ("fusion planners", generator.base._REGISTRY),
-                            ("communicators", communicators.base._REGISTRY)):
-        print(f"{title}:")
-        for name, cls in sorted(registry.items()):
+    from .communicators.base import COMMUNICATORS
+    from .compressors.base import COMPRESSORS
+    from .generator.base import PLANNERS
+    for registry in (COMPRESSORS, PLANNERS, COMMUNICATORS):
+        print(f"{registry.plural}:")
+        for name, cls in registry.items():
             print(f"  {name:<16} {_first_line(cls)}")
     return 0
 

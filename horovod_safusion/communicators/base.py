@@ -9,13 +9,12 @@ The reduction follows Horovod's scaling: ``postscale · Σ_ranks prescale · x``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import horovod.torch as hvd
 
-_REGISTRY: dict[str, type["Communicator"]] = {}
-C = TypeVar("C", bound=type)
+from ..registry import Registry
 
 
 class Pending:
@@ -84,22 +83,9 @@ class Communicator(ABC):
         return f"{type(self).__name__}()"
 
 
-def register_communicator(name: str) -> Callable[[C], C]:
-    """Class decorator: make a :class:`Communicator` selectable as ``communicator=name``."""
-    def wrap(cls: C) -> C:
-        if not (isinstance(cls, type) and issubclass(cls, Communicator)):
-            raise TypeError(f"@register_communicator({name!r}) needs a Communicator subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"communicator name {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def available_communicators() -> list[str]:
-    """Names accepted by ``communicator=`` (besides ``"auto"``)."""
-    return sorted(_REGISTRY)
+COMMUNICATORS: Registry = Registry("communicator", "communicators", Communicator)
+register_communicator = COMMUNICATORS.register  # class decorator: ``@register_communicator("name")``
+available_communicators = COMMUNICATORS.names   # names accepted by ``communicator=`` besides "auto"
 
 
 def make_communicator(spec: "str | Communicator", dense_compressor: bool, process_set: Any,
@@ -110,7 +96,4 @@ def make_communicator(spec: "str | Communicator", dense_compressor: bool, proces
         return spec.bind(process_set, compression)
     if spec == "auto":
         spec = "allreduce" if dense_compressor else "allgather"
-    if not isinstance(spec, str) or spec not in _REGISTRY:
-        raise ValueError(f"unknown communicator {spec!r}; known communicators: auto, "
-                         f"{', '.join(available_communicators())} (or pass a Communicator instance)")
-    return _REGISTRY[spec](process_set=process_set, compression=compression)
+    return COMMUNICATORS.get(spec, also=("auto",))(process_set=process_set, compression=compression)

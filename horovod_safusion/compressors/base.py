@@ -11,14 +11,12 @@ split into Compressor / Memory / Communicator. New compressors register by decor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 
+from ..registry import Registry
 from ..segment import Segments
-
-_REGISTRY: dict[str, type["Compressor"]] = {}
-C = TypeVar("C", bound=type)
 
 
 def check_density(density: float) -> float:
@@ -58,22 +56,9 @@ class Compressor(ABC):
         return f"{type(self).__name__}(density={self.density})"
 
 
-def register_compressor(name: str) -> Callable[[C], C]:
-    """Class decorator: make a :class:`Compressor` subclass selectable as ``compressor=name``."""
-    def wrap(cls: C) -> C:
-        if not (isinstance(cls, type) and issubclass(cls, Compressor)):
-            raise TypeError(f"@register_compressor({name!r}) needs a Compressor subclass, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"compressor name {name!r} is already registered by {_REGISTRY[name].__name__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def available_compressors() -> list[str]:
-    """Names accepted by ``compressor=``."""
-    return sorted(_REGISTRY)
+COMPRESSORS: Registry = Registry("compressor", "compressors", Compressor)
+register_compressor = COMPRESSORS.register  # class decorator: ``@register_compressor("name")``
+available_compressors = COMPRESSORS.names   # names accepted by ``compressor=``
 
 
 def make_compressor(spec: "str | Compressor", density: float | None) -> Compressor:
@@ -88,8 +73,5 @@ def make_compressor(spec: "str | Compressor", density: float | None) -> Compress
             raise ValueError(f"density={density!r} contradicts the compressor instance's density "
                              f"{spec.density!r}; pass one of them")
         return spec
-    if not isinstance(spec, str) or spec not in _REGISTRY:
-        raise ValueError(f"unknown compressor {spec!r}; known compressors: "
-                         f"{', '.join(available_compressors())} (or pass a Compressor instance)")
-    cls = _REGISTRY[spec]
+    cls = COMPRESSORS.get(spec)
     return cls() if density is None else cls(density=density)

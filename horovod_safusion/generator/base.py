@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from ..plan import FusionPlan
+from ..registry import Registry
 
 if TYPE_CHECKING:
     from .profile import Profile
-
-_REGISTRY: dict[str, type["Planner"]] = {}
-C = TypeVar("C", bound=type)
 
 
 @dataclass(frozen=True)
@@ -57,29 +55,13 @@ class Planner(ABC):
         return f"{type(self).__name__}()"
 
 
-def register_planner(name: str) -> Callable[[C], C]:
-    """Class decorator: make a :class:`Planner` selectable as ``fusion=name``."""
-    def wrap(cls: C) -> C:
-        if not (isinstance(cls, type) and issubclass(cls, Planner)):
-            raise TypeError(f"@register_planner({name!r}) needs a Planner subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"fusion planner name {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def available_planners() -> list[str]:
-    """Names accepted by ``fusion=``."""
-    return sorted(_REGISTRY)
+PLANNERS: Registry = Registry("fusion", "fusion planners", Planner)
+register_planner = PLANNERS.register  # class decorator: ``@register_planner("name")``
+available_planners = PLANNERS.names   # names accepted by ``fusion=``
 
 
 def make_planner(spec: "str | Planner | Any") -> Planner:
     """Resolve ``fusion=``: a registered name or a :class:`Planner` instance."""
     if isinstance(spec, Planner):
         return spec
-    if not isinstance(spec, str) or spec not in _REGISTRY:
-        raise ValueError(f"unknown fusion {spec!r}; known fusion planners: "
-                         f"{', '.join(available_planners())} (or pass a Planner instance)")
-    return _REGISTRY[spec]()
+    return PLANNERS.get(spec)()
