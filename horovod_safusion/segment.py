@@ -3,8 +3,7 @@
 SAFusion §3.1 selects per tensor *before* fusion; the traditional scheme selects over the whole
 fused buffer (§2.4). Both are one selection over a flat buffer with a per-segment rule: one
 segment per tensor for ``ahead``, one segment for the whole buffer for ``behind``. Compressors
-therefore see a flat tensor and a :class:`Segments` object and never loop over parameters
-themselves unless they want to.
+therefore see a flat tensor and a :class:`Segments` object, never parameters.
 """
 from __future__ import annotations
 
@@ -46,10 +45,9 @@ class Segments:
         return sum(self.sizes)
 
     @cached_property
-    def ids(self) -> torch.Tensor:
-        """Segment id of every element (int64, length ``numel``), for one-pass vectorised rules."""
-        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
-        return torch.repeat_interleave(torch.arange(len(self.sizes), device=self.device), sizes)
+    def starts(self) -> torch.Tensor:
+        """Offsets as an int64 tensor on the buffer's device."""
+        return torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
 
     def k(self, density: float) -> torch.Tensor:
         """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
@@ -57,5 +55,6 @@ class Segments:
         return torch.clamp(torch.round(sizes * density), min=1).to(torch.int64)
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:
-        """Selected elements per segment for buffer-relative ``indices``."""
-        return torch.bincount(self.ids[indices], minlength=len(self.sizes))
+        """Selected elements per segment for buffer-relative ``indices`` (cost ∝ selected, not numel)."""
+        owner = torch.searchsorted(self.starts, indices, right=True) - 1
+        return torch.bincount(owner, minlength=len(self.sizes))

@@ -5,14 +5,11 @@ sample of ``sample_rate`` (0.1–1 %) of its elements, then refined: if the exac
 far above the target ``k``, the threshold becomes the k-th largest among the candidates (DGC's
 hierarchical selection); if far below, the sample is doubled and the estimate repeated. As SAFusion
 §4 says, the gradient distribution changes slowly, so thresholds are re-estimated only every
-``interval`` steps and reused in between; between estimations one vectorised pass over the flat
-buffer applies all segment thresholds at once. Error feedback makes the accumulated gradient grow
-while residuals build up, so a reused threshold whose segment selects more than ``drift · (k + 1)``
-or fewer than ``k / drift`` elements is re-estimated at once (counted with one ``bincount``; the
-``+ 1`` keeps tiny segments with ``k = 1`` from being re-estimated for a handful of extra elements).
-
-A reused threshold can exceed a segment's current maximum; it is clipped to that maximum, so a
-segment with a nonzero gradient always keeps at least one element (SAFusion §3.1).
+``interval`` steps and reused in between; between estimations one pass over the flat buffer
+applies all segment thresholds at once. Error feedback makes the accumulated gradient grow while
+residuals build up, so a reused threshold whose segment selects more than ``drift · (k + 1)`` or
+fewer than ``k / drift`` elements is re-estimated at once (the ``+ 1`` keeps tiny segments with
+``k = 1`` from being re-estimated for a handful of extra elements).
 """
 from __future__ import annotations
 
@@ -20,13 +17,13 @@ import math
 
 import torch
 
-from ..segment import Segments
-from .base import Compressor, register_compressor
+from .base import register_compressor
+from .threshold import SegmentView, ThresholdCompressor, kth_largest
 
 
 @register_compressor("dgc")
-class DGC(Compressor):
-    """Sampled threshold per segment, re-estimated every ``interval`` steps.
+class DGC(ThresholdCompressor):
+    """Sampled threshold per segment, re-estimated every ``interval`` steps or on drift.
 
     Args:
         density: target fraction of elements per segment.
@@ -62,14 +59,13 @@ class DGC(Compressor):
         self._threshold: dict[str, float] = {}
         self._estimated_at: dict[str, int] = {}
 
-    # ---- estimation (every `interval` steps) -----------------------------------------------
+    # ---- estimation -------------------------------------------------------------------------
     def _sample_threshold(self, seg: torch.Tensor, k: int, samples: int) -> float:
         n = seg.numel()
         if samples >= n:
-            return float(torch.topk(seg, k, sorted=False).values.min())
+            return float(kth_largest(seg, k))
         idx = torch.randint(n, (samples,), generator=self._gen).to(seg.device)
-        ks = max(1, math.ceil(self.density * samples))
-        return float(torch.topk(seg[idx], ks, sorted=False).values.min())
+        return float(kth_largest(seg[idx], math.ceil(self.density * samples)))
 
     def estimate(self, seg: torch.Tensor, k: int) -> float:
         """Threshold on ``|x|`` of one segment (``seg`` holds magnitudes) selecting about ``k``."""
@@ -80,46 +76,37 @@ class DGC(Compressor):
             count = int((seg >= thr).sum())
             if count > self.tolerance * k:
                 # DGC's hierarchical selection: exact k-th largest among the candidates.
-                return float(torch.topk(seg[seg >= thr], k, sorted=False).values.min())
+                return float(kth_largest(seg[seg >= thr], k))
             if count * self.tolerance >= k or samples >= n:
                 return thr
             samples = min(n, samples * 2)
             thr = self._sample_threshold(seg, k, samples)
         return thr
 
-    # ---- selection (every step, one vectorised pass) ---------------------------------------
-    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
-        if self.density >= 1.0:
-            return None
-        absx = flat.abs()
-        ks = segments.k(self.density)
-        fresh = set()
-        for s, name in enumerate(segments.names):
-            last = self._estimated_at.get(name)
-            if last is None or step - last >= self.interval or step < last:
-                fresh.add(s)
-        self._estimate(absx, segments, ks, fresh, step)
-        seg_max = torch.zeros(len(segments), dtype=absx.dtype, device=absx.device)
-        seg_max.scatter_reduce_(0, segments.ids, absx, reduce="amax")
-        indices = self._apply(absx, segments, seg_max)
-        counts = segments.counts(indices)
-        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
-        off_band &= seg_max > 0
-        off_band[list(fresh)] = False
-        drifted = set(torch.nonzero(off_band).flatten().tolist())
-        if drifted:
-            self._estimate(absx, segments, ks, drifted, step)
-            indices = self._apply(absx, segments, seg_max)
-        return indices
-
-    def _estimate(self, absx, segments: Segments, ks: torch.Tensor, which: set, step: int) -> None:
+    def _estimate(self, view: SegmentView, which, step: int) -> None:
         for s in which:
-            off, n, name = segments.offsets[s], segments.sizes[s], segments.names[s]
-            self._threshold[name] = self.estimate(absx[off:off + n], int(ks[s]))
+            name = view.segments.names[s]
+            self._threshold[name] = self.estimate(view.parts[s], int(view.k[s]))
             self._estimated_at[name] = step
 
-    def _apply(self, absx: torch.Tensor, segments: Segments, seg_max: torch.Tensor) -> torch.Tensor:
-        """One pass: ``|x| >= threshold`` of each element's segment, clipped to the segment's max."""
-        thr = torch.tensor([self._threshold[n] for n in segments.names], dtype=absx.dtype, device=absx.device)
-        thr = torch.where(seg_max > 0, torch.minimum(thr, seg_max), torch.full_like(thr, math.inf))
-        return torch.nonzero(absx >= thr[segments.ids]).squeeze(1)
+    # ---- the ThresholdCompressor hooks ---------------------------------------------------------
+    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
+        stale = []
+        for s, name in enumerate(view.segments.names):
+            last = self._estimated_at.get(name)
+            if last is None or step - last >= self.interval or step < last:
+                stale.append(s)
+        self._estimate(view, stale, step)
+        return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
+
+    def refine(self, view, thresholds, indices, counts, step):
+        ks = view.k
+        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
+        off_band &= view.max > 0
+        drifted = [s for s in torch.nonzero(off_band).flatten().tolist()
+                   if self._estimated_at[view.segments.names[s]] != step]
+        if not drifted:
+            return indices
+        self._estimate(view, drifted, step)
+        thr = torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
+        return view.select(thr)[0]
