@@ -6,10 +6,8 @@ far above the target ``k``, the threshold becomes the k-th largest among the can
 hierarchical selection); if far below, the sample is doubled and the estimate repeated. As SAFusion
 §4 says, the gradient distribution changes slowly, so thresholds are re-estimated only every
 ``interval`` steps and reused in between; between estimations one pass over the flat buffer
-applies all segment thresholds at once. Error feedback makes the accumulated gradient grow while
-residuals build up, so a reused threshold whose segment selects more than ``drift · (k + 1)`` or
-fewer than ``k / drift`` elements is re-estimated at once (the ``+ 1`` keeps tiny segments with
-``k = 1`` from being re-estimated for a handful of extra elements).
+applies all segment thresholds at once, and a threshold that drifted is re-estimated at once
+(:class:`~horovod_safusion.compressors.threshold.PeriodicThreshold`).
 """
 from __future__ import annotations
 
@@ -18,11 +16,11 @@ import math
 import torch
 
 from .base import register_compressor
-from .threshold import SegmentView, ThresholdCompressor, kth_largest
+from .threshold import PeriodicThreshold, kth_largest
 
 
 @register_compressor("dgc")
-class DGC(ThresholdCompressor):
+class DGC(PeriodicThreshold):
     """Sampled threshold per segment, re-estimated every ``interval`` steps or on drift.
 
     Args:
@@ -44,20 +42,14 @@ class DGC(ThresholdCompressor):
     def __init__(self, density: float = 0.01, sample_rate: float = 0.01, min_samples: int = 1024,
                  interval: int = 10, refine_passes: int = 3, tolerance: float = 1.3,
                  drift: float = 2.0, seed: int = 0) -> None:
-        super().__init__(density)
+        super().__init__(density, interval, drift)
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must satisfy 0 < sample_rate <= 1, got {sample_rate!r}")
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval!r}")
         self.sample_rate = sample_rate
         self.min_samples = int(min_samples)
-        self.interval = int(interval)
         self.refine_passes = int(refine_passes)
         self.tolerance = float(tolerance)
-        self.drift = float(drift)
         self._gen = torch.Generator().manual_seed(seed)
-        self._threshold: dict[str, float] = {}
-        self._estimated_at: dict[str, int] = {}
 
     # ---- estimation -------------------------------------------------------------------------
     def _sample_threshold(self, seg: torch.Tensor, k: int, samples: int) -> float:
@@ -82,31 +74,3 @@ class DGC(ThresholdCompressor):
             samples = min(n, samples * 2)
             thr = self._sample_threshold(seg, k, samples)
         return thr
-
-    def _estimate(self, view: SegmentView, which, step: int) -> None:
-        for s in which:
-            name = view.segments.names[s]
-            self._threshold[name] = self.estimate(view.parts[s], int(view.k[s]))
-            self._estimated_at[name] = step
-
-    # ---- the ThresholdCompressor hooks ---------------------------------------------------------
-    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        stale = []
-        for s, name in enumerate(view.segments.names):
-            last = self._estimated_at.get(name)
-            if last is None or step - last >= self.interval or step < last:
-                stale.append(s)
-        self._estimate(view, stale, step)
-        return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
-
-    def refine(self, view, thresholds, indices, counts, step):
-        ks = view.k
-        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
-        off_band &= view.max > 0
-        drifted = [s for s in torch.nonzero(off_band).flatten().tolist()
-                   if self._estimated_at[view.segments.names[s]] != step]
-        if not drifted:
-            return indices
-        self._estimate(view, drifted, step)
-        thr = torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
-        return view.select(thr)[0]

@@ -14,7 +14,8 @@ the method of moments, cost a few reductions each:
   quantile ``σ/ξ · (p^(−ξ) − 1)``;
 * ``gamma-gpareto`` — a gamma fit (shape m²/v, scale v/m) for stage 1, generalised Pareto after.
 
-Thresholds are re-estimated every ``interval`` steps and reused in between, as SAFusion §4 does.
+Thresholds are re-estimated every ``interval`` steps and reused in between, as SAFusion §4 does,
+and at once when they drift (:class:`~horovod_safusion.compressors.threshold.PeriodicThreshold`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from scipy.stats import gamma as gamma_dist
 
 from .base import register_compressor
-from .threshold import SegmentView, ThresholdCompressor
+from .threshold import PeriodicThreshold
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
 
@@ -51,7 +52,7 @@ def tail_quantile(x: torch.Tensor, p: float, family: str) -> float:
 
 
 @register_compressor("sidco")
-class SIDCo(ThresholdCompressor):
+class SIDCo(PeriodicThreshold):
     """Multi-stage statistical threshold per segment, re-estimated every ``interval`` steps.
 
     Args:
@@ -59,20 +60,19 @@ class SIDCo(ThresholdCompressor):
         distribution: ``"exponential"``, ``"gpareto"`` or ``"gamma-gpareto"``.
         stages: number of fitting stages (SIDCo uses 1–3; more fit the far tail better).
         interval: steps between estimations.
+        drift: re-estimate early when a count leaves ``[k / drift, drift · (k + 1)]``.
     """
 
     def __init__(self, density: float = 0.01, distribution: str = "exponential", stages: int = 2,
-                 interval: int = 10) -> None:
-        super().__init__(density)
+                 interval: int = 10, drift: float = 2.0) -> None:
+        super().__init__(density, interval, drift)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-        if stages < 1 or interval < 1:
-            raise ValueError(f"stages and interval must be >= 1, got {stages!r} and {interval!r}")
-        self.distribution, self.stages, self.interval = distribution, int(stages), int(interval)
-        self._threshold: dict[str, float] = {}
-        self._estimated_at: dict[str, int] = {}
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1, got {stages!r}")
+        self.distribution, self.stages = distribution, int(stages)
 
-    def estimate(self, seg: torch.Tensor) -> float:
+    def estimate(self, seg: torch.Tensor, k: int = 0) -> float:
         """The multi-stage threshold of one segment's magnitudes."""
         p = self.density ** (1.0 / self.stages)
         eta, tail = 0.0, seg
@@ -84,11 +84,3 @@ class SIDCo(ThresholdCompressor):
             if tail.numel() < 2:
                 break
         return eta
-
-    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        for s, name in enumerate(view.segments.names):
-            last = self._estimated_at.get(name)
-            if last is None or step - last >= self.interval or step < last:
-                self._threshold[name] = self.estimate(view.parts[s])
-                self._estimated_at[name] = step
-        return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)

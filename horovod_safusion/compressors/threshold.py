@@ -70,3 +70,51 @@ class ThresholdCompressor(Compressor):
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest entry of a 1-D tensor (0-dim tensor; k is clamped to the length)."""
     return torch.topk(values, max(1, min(k, values.numel())), sorted=False).values.min()
+
+
+class PeriodicThreshold(ThresholdCompressor):
+    """Thresholds estimated every ``interval`` steps and reused in between (SAFusion §4: "we
+    periodically estimate the threshold ... and reuse it in some subsequent iterations").
+
+    Error feedback makes the accumulated gradient grow while residuals build up, so a reused
+    threshold whose segment selects more than ``drift · (k + 1)`` or fewer than ``k / drift``
+    elements is re-estimated at once and the buffer re-selected (the ``+ 1`` keeps tiny segments
+    with ``k = 1`` from being re-estimated for a handful of extra elements). Subclasses implement
+    :meth:`estimate` for one segment.
+    """
+
+    def __init__(self, density: float, interval: int, drift: float) -> None:
+        super().__init__(density)
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval!r}")
+        if drift <= 1.0:
+            raise ValueError(f"drift must be > 1, got {drift!r}")
+        self.interval, self.drift = int(interval), float(drift)
+        self._threshold: dict[str, float] = {}
+        self._estimated_at: dict[str, int] = {}
+
+    @abstractmethod
+    def estimate(self, magnitudes: torch.Tensor, k: int) -> float:
+        """A threshold on one segment's ``|x|`` that selects about ``k`` elements."""
+
+    def _estimate(self, view: SegmentView, which, step: int) -> torch.Tensor:
+        for s in which:
+            name = view.segments.names[s]
+            self._threshold[name] = self.estimate(view.parts[s], int(view.k[s]))
+            self._estimated_at[name] = step
+        return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
+
+    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
+        stale = [s for s, name in enumerate(view.segments.names)
+                 if name not in self._estimated_at or not 0 <= step - self._estimated_at[name] < self.interval]
+        return self._estimate(view, stale, step)
+
+    def refine(self, view, thresholds, indices, counts, step):
+        ks = view.k
+        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
+        off_band &= view.max > 0
+        drifted = [s for s in torch.nonzero(off_band).flatten().tolist()
+                   if self._estimated_at[view.segments.names[s]] != step]
+        if not drifted:
+            return indices
+        return view.select(self._estimate(view, drifted, step))[0]

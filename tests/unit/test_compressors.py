@@ -5,8 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from horovod_safusion.compressors import (DGC, Compressor, TopK, available_compressors,
-                                          make_compressor, register_compressor)
+from horovod_safusion.compressors import (DGC, Compressor, ExDyna, GaussianK, RandomK, RedSync, SIDCo, TopK,
+                                          available_compressors, make_compressor, register_compressor)
+from horovod_safusion.compressors.sidco import tail_quantile
 from horovod_safusion.segment import Segments
 
 
@@ -72,8 +73,9 @@ def test_dgc_clips_a_reused_threshold_to_the_segment_maximum():
 
 
 def test_registry_and_density_errors():
-    assert {"none", "topk", "dgc"} <= set(available_compressors())
-    with pytest.raises(ValueError, match="unknown compressor 'zip'; known compressors: dgc, none, topk"):
+    assert set(available_compressors()) >= {"none", "topk", "dgc", "gaussiank", "redsync", "sidco", "exdyna", "randomk"}
+    with pytest.raises(ValueError, match="unknown compressor 'zip'; known compressors: dgc, exdyna, gaussiank, none, "
+                                         "randomk, redsync, sidco, topk \\(or pass a Compressor instance\\)"):
         make_compressor("zip", None)
     for bad in (0, -0.1, 1.5, "0.1", True):
         with pytest.raises(ValueError, match="density must"):
@@ -97,3 +99,109 @@ def test_register_compressor_by_decorator():
     assert make_compressor("every-other-test", 0.5).select(torch.ones(5), segs(5), 0).tolist() == [0, 2, 4]
     with pytest.raises(TypeError):
         register_compressor("bad")(object)
+
+
+# ---- the compressors of the registry on constructed inputs ------------------------------------------
+def gaussian_segments(seed=0):
+    """Three tensors of very different scales, and an all-zero one."""
+    g = torch.Generator().manual_seed(seed)
+    s = segs(200_000, 30_000, 64, 16)
+    flat = torch.cat([torch.randn(200_000, generator=g), 1e-3 * torch.randn(30_000, generator=g),
+                      torch.randn(64, generator=g), torch.zeros(16)])
+    return s, flat
+
+
+@pytest.mark.parametrize("name,low,high", [("gaussiank", 2 / 3, 4 / 3), ("redsync", 1.0, 2.0), ("dgc", 0.7, 1.3),
+                                           ("sidco", 0.4, 1.5), ("topk", 1.0, 1.0), ("randomk", 0.99, 1.0)])
+def test_each_compressor_selects_about_k_per_segment(name, low, high):
+    s, flat = gaussian_segments()
+    idx = make_compressor(name, 0.01).select(flat.clone(), s, step=0)
+    counts, k = s.counts(idx), s.k(0.01)
+    assert idx.unique().numel() == idx.numel()
+    for seg in (0, 1):  # large segments: the count is the compressor's accuracy
+        assert low * k[seg] <= counts[seg] <= high * k[seg], (name, counts.tolist(), k.tolist())
+    assert counts[2] >= 1  # a small nonzero tensor is never missing
+    if name != "randomk":  # magnitude-based: the largest of every tensor travels
+        assert counts[3] == (1 if name == "topk" else 0)  # exact top-k sends k even of zeros
+        for seg in (0, 1, 2):
+            off, n = s.offsets[seg], s.sizes[seg]
+            assert int(flat[off:off + n].abs().argmax()) + off in set(idx.tolist())
+
+
+def test_gaussiank_threshold_is_the_normal_percent_point():
+    g = torch.Generator().manual_seed(1)
+    flat = 3.0 * torch.randn(400_000, generator=g)
+    c = GaussianK(0.05, refine_passes=0)
+    thr = c.thresholds(__import__("horovod_safusion.compressors.threshold", fromlist=["SegmentView"])
+                       .SegmentView(flat, segs(400_000), 0.05), 0)
+    assert float(thr[0]) == pytest.approx(3.0 * 1.959964, rel=0.01)  # Φ⁻¹(0.975) σ
+
+
+def test_exdyna_scales_thresholds_by_algorithm_5():
+    c = ExDyna(density=0.01, beta=1.1, gamma=0.1)
+    s, flat = gaussian_segments()
+    c.select(flat.clone(), s, 0)  # δ_0: exact k-th largest, so k' = k: exam = 1 in (1/β, β] → ×(1 + γ/4)
+    first = dict(c._threshold)
+    k0 = float(torch.topk(flat[:200_000].abs(), 2000).values.min())
+    assert first["s0"] == pytest.approx(k0 * 1.025, rel=1e-6)
+    c._threshold["s0"] = 0.0  # selects everything: exam > β → ×(1 + γ) of the (clipped-to-max) … threshold
+    c._threshold["s1"] = 1e9  # selects only the maximum (clip): exam < 1/β → ×(1 − γ)
+    c.select(flat.clone(), s, 1)
+    assert c._threshold["s0"] == 0.0  # 0 · (1 + γ)
+    assert c._threshold["s1"] == pytest.approx(1e9 * 0.9)
+    assert c._threshold["s3"] == first["s3"]  # the all-zero tensor leaves its threshold alone
+
+
+def test_exdyna_density_settles_at_the_target():
+    g = torch.Generator().manual_seed(2)
+    s = segs(50_000)
+    c = ExDyna(density=0.01)
+    densities = []
+    for step in range(200):  # a slowly drifting distribution
+        flat = (1 + step / 100) * torch.randn(50_000, generator=g)
+        densities.append(s.counts(c.select(flat, s, step))[0].item() / 50_000)
+    tail = densities[50:]
+    assert 0.009 <= sum(tail) / len(tail) <= 0.011
+
+
+def test_redsync_bisection_lands_in_k_to_2k_and_reuses_the_ratio():
+    s, flat = gaussian_segments()
+    c = RedSync(0.01)
+    c.select(flat.clone(), s, 0)
+    r = dict(c._ratio)
+    assert 0 < r["s0"] < 1
+    c.select(flat.clone(), s, 1)
+    assert c._ratio["s0"] == r["s0"]  # the same data needs no new bisection
+
+
+def test_sidco_tail_quantiles_and_stages():
+    g = torch.Generator().manual_seed(3)
+    e = torch.empty(1_000_000).exponential_(2.0, generator=g)  # mean 0.5
+    assert tail_quantile(e, 0.01, "exponential") == pytest.approx(-0.5 * math.log(0.01), rel=0.01)
+    assert tail_quantile(e, 0.01, "gpareto") == pytest.approx(-0.5 * math.log(0.01), rel=0.05)  # ξ ≈ 0
+    assert tail_quantile(e, 0.01, "gamma") == pytest.approx(-0.5 * math.log(0.01), rel=0.05)  # shape ≈ 1
+    s = segs(1_000_000)
+    for dist in ("exponential", "gpareto", "gamma-gpareto"):
+        n = s.counts(SIDCo(0.001, distribution=dist, stages=2).select(e, s, 0))[0].item()
+        assert 500 <= n <= 2000, (dist, n)  # an exponential is what these fits model well
+    with pytest.raises(ValueError, match="distribution must be one of"):
+        SIDCo(0.01, distribution="cauchy")
+
+
+def test_randomk_is_shared_per_step_and_changes_between_steps():
+    s, flat = gaussian_segments()
+    a = RandomK(0.01, seed=7).select(flat, s, 3)
+    b = RandomK(0.01, seed=7).select(torch.zeros_like(flat), s, 3)  # values play no role
+    assert torch.equal(a, b)
+    assert not torch.equal(a, RandomK(0.01, seed=7).select(flat, s, 4))
+
+
+def test_topk_batched_path_equals_per_segment_topk():
+    torch.manual_seed(4)
+    s = segs(500, 500, 500, 37, 500)
+    flat = torch.randn(s.numel)
+    idx = set(TopK(0.02).select(flat, s, 0).tolist())
+    expect = set()
+    for off, n, k in zip(s.offsets, s.sizes, s.k(0.02).tolist()):
+        expect |= {i + off for i in torch.topk(flat[off:off + n].abs(), k).indices.tolist()}
+    assert idx == expect
