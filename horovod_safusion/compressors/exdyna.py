@@ -44,14 +44,13 @@ class ExDyna(ThresholdCompressor):
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
         for s, name in enumerate(view.segments.names):
             if name not in self._threshold:  # δ_0
-                self._threshold[name] = float(kth_largest(view.parts[s], int(view.k[s])))
+                self._threshold[name] = float(kth_largest(view.part(s), int(view.k[s])))
         return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
 
-    def refine(self, view, thresholds, indices, counts, step):
+    def refine(self, view, thresholds, counts, step):
         exam = counts.to(torch.float64) / view.k.to(torch.float64)
         sf = torch.where(exam > self.beta, 1 + self.gamma,
                          torch.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
         live = view.max > 0  # an all-zero segment says nothing about its threshold
         nxt = torch.where(live, thresholds.to(torch.float64) * sf, thresholds.to(torch.float64))
         self._threshold.update(zip(view.segments.names, nxt.tolist()))
-        return indices

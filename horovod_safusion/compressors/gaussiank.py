@@ -35,17 +35,18 @@ class GaussianK(ThresholdCompressor):
         self._z = float(norm.ppf(1.0 - self.density / 2.0))
 
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        stats = torch.stack([torch.stack(torch.std_mean(p, correction=0)) for p in view.signed])
-        sigma, mu = stats[:, 0], stats[:, 1]
-        return mu.abs() + sigma * self._z
+        mu, second = view.means(signed=True), view.means(signed=True, squares=True)
+        sigma = torch.sqrt(torch.clamp(second - mu * mu, min=0))
+        return (mu.abs() + sigma * self._z).to(view.abs.dtype)
 
-    def refine(self, view, thresholds, indices, counts, step):
+    def refine(self, view, thresholds, counts, step):
         thr = thresholds.clone()
-        k = view.k.to(counts.dtype)
+        k = view.k
         for _ in range(self.refine_passes):
             many, few = 3 * counts > 4 * k, 3 * counts < 2 * k
-            if not bool((many | few).any()):
+            off = torch.nonzero((many | few) & (view.max > 0)).flatten().tolist()
+            if not off:
                 break
             thr = torch.where(many, thr * self.step_up, torch.where(few, thr * self.step_down, thr))
-            indices, counts = view.select(thr)
-        return indices
+            view.apply(thr, off)
+            counts = view.counts()

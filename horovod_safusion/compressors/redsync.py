@@ -28,23 +28,24 @@ class RedSync(ThresholdCompressor):
         self._ratio: dict[str, float] = {}
 
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        self._mean = torch.stack([p.mean() for p in view.parts])
+        self._mean = view.means().to(view.max.dtype)
         r = torch.tensor([self._ratio.get(n, 0.5) for n in view.segments.names], dtype=view.max.dtype,
                          device=view.max.device)
         self._r = r
         return self._mean + r * (view.max - self._mean)
 
-    def refine(self, view, thresholds, indices, counts, step):
+    def refine(self, view, thresholds, counts, step):
         r = self._r
         lo, hi = torch.zeros_like(r), torch.ones_like(r)
-        k = view.k.to(counts.dtype)
+        k = view.k
         for _ in range(self.iterations):
             many, few = counts > 2 * k, counts < k
-            if not bool((many | few).any()):
+            off = torch.nonzero((many | few) & (view.max > 0)).flatten().tolist()
+            if not off:
                 break
             lo = torch.where(many, r, lo)   # too many: raise the threshold
             hi = torch.where(few, r, hi)    # too few: lower it
             r = torch.where(many | few, (lo + hi) / 2, r)
-            indices, counts = view.select(self._mean + r * (view.max - self._mean))
+            view.apply(self._mean + r * (view.max - self._mean), off)
+            counts = view.counts()
         self._ratio.update(zip(view.segments.names, r.tolist()))
-        return indices

@@ -6,7 +6,9 @@ A :class:`ThresholdCompressor` computes one threshold per segment (its subclasse
 how) and selects in one pass over the flat buffer: each segment's threshold is compared against a
 view of that segment, writing into one shared mask, so selecting per tensor costs about what
 selecting over the whole buffer costs (no per-element gather of thresholds, which doubles the cost
-on CPU). A threshold above a segment's maximum is clipped to it, so every tensor with a nonzero
+on CPU), and refinements re-read only the segments whose thresholds they change. Small segments
+(biases, normalisation parameters) are gathered and handled in one batch, because for them the
+cost of launching per-segment operations would dominate. A threshold above a segment's maximum is clipped to it, so every tensor with a nonzero
 gradient keeps at least one element; an all-zero segment sends nothing.
 """
 from __future__ import annotations
@@ -21,32 +23,96 @@ from .base import Compressor
 
 
 class SegmentView:
-    """``|x|`` of one flat buffer with its per-segment views and maxima, shared by a selection."""
+    """``|x|`` of one flat buffer with its per-segment views, maxima, target counts and a mask.
+
+    :meth:`apply` writes ``|x| >= threshold`` into the mask for all segments or only some;
+    :meth:`counts` and :meth:`indices` turn the mask into indices with one ``nonzero`` pass and
+    count them per segment from the indices (cost ∝ selected elements). After a partial
+    :meth:`apply`, only the re-applied segments are read again.
+    """
 
     def __init__(self, flat: torch.Tensor, segments: Segments, density: float) -> None:
         self.segments = segments
-        self.signed = flat.split(list(segments.sizes))  # views of the signed values
+        self.flat = flat
         self.abs = flat.abs()
-        self.parts = self.abs.split(list(segments.sizes))
-        self.max = torch.stack([p.amax() for p in self.parts])
+        self.small, self.large, self._small_pos, self._small_seg = segments.small
+        self._small_set = set(self.small)
+        self.mask = torch.empty(self.abs.shape, dtype=torch.bool, device=self.abs.device)
+        # Views are made for large segments only: each Python view costs microseconds.
+        self._views = {s: (self.abs[o:o + n], self.mask[o:o + n]) for s in self.large
+                       for o, n in ((segments.offsets[s], segments.sizes[s]),)}
+        self.max = torch.zeros(len(segments), dtype=self.abs.dtype, device=self.abs.device)
+        if self.large:
+            self.max[self.large] = torch.stack([self._views[s][0].amax() for s in self.large])
+        if self.small:
+            self._small_abs = self.abs[self._small_pos]
+            self.max.scatter_reduce_(0, self._small_seg, self._small_abs, reduce="amax")
         self.k = segments.k(density).to(self.abs.device)  # target count per segment
+        self._indices: torch.Tensor | None = None
+        self._dirty: set[int] = set()
 
-    def select(self, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices with ``|x| >= threshold`` of their segment (clipped to the maximum), and counts."""
+    def means(self, signed: bool = False, squares: bool = False) -> torch.Tensor:
+        """Per-segment mean of ``x`` or ``|x|`` (or of their squares): a reduction per large
+        segment, one ``index_add_`` for all small ones."""
+        src = self.flat if signed else self.abs
+        f = (lambda t: t * t) if squares else (lambda t: t)
+        out = torch.zeros(len(self.segments), dtype=torch.float64, device=src.device)
+        for s in self.large:
+            o, n = self.segments.offsets[s], self.segments.sizes[s]
+            out[s] = f(src[o:o + n]).mean(dtype=torch.float64)
+        if self.small:
+            out.index_add_(0, self._small_seg, f(src[self._small_pos]).double())
+            sizes = torch.tensor([self.segments.sizes[s] for s in self.small], dtype=torch.float64, device=out.device)
+            out[self.small] /= sizes
+        return out
+
+    def part(self, s: int) -> torch.Tensor:
+        """``|x|`` of segment ``s``."""
+        return self._views[s][0] if s in self._views else self.abs[self.segments.offsets[s]:][:self.segments.sizes[s]]
+
+
+    def apply(self, thresholds: torch.Tensor, which: list[int] | None = None) -> None:
+        """Select ``|x| >= threshold`` (clipped to the segment's maximum) in ``which`` segments
+        (all by default)."""
         thr = torch.where(self.max > 0, torch.minimum(thresholds.to(self.max.dtype), self.max),
                           torch.full_like(self.max, math.inf))
-        mask = torch.empty(self.abs.shape, dtype=torch.bool, device=self.abs.device)
-        for part, out, t in zip(self.parts, mask.split(list(self.segments.sizes)), thr):
-            torch.ge(part, t, out=out)
-        indices = torch.nonzero(mask).squeeze(1)
-        return indices, self.segments.counts(indices)
+        which = range(len(self.segments)) if which is None else which
+        touched = [s for s in which if s not in self._small_set]
+        for s in touched:
+            part, out = self._views[s]
+            torch.ge(part, thr[s], out=out)
+        if self.small and len(touched) < len(which):  # all small segments at once
+            self.mask[self._small_pos] = self._small_abs >= thr[self._small_seg]
+            touched += self.small
+        if len(touched) == len(self.segments):
+            self._indices, self._dirty = None, set()
+        else:
+            self._dirty.update(touched)
+
+    def indices(self) -> torch.Tensor:
+        """Buffer-relative indices of the selected elements (unique; order within a segment free)."""
+        if self._indices is None:
+            self._indices = torch.nonzero(self.mask).squeeze(1)
+        elif self._dirty:
+            dirty = sorted(self._dirty)
+            owner = torch.searchsorted(self.segments.starts, self._indices, right=True) - 1
+            keep = self._indices[~torch.isin(owner, torch.tensor(dirty, device=owner.device))]
+            fresh = [torch.nonzero(self.mask[o:o + n]).squeeze(1) + o for s in dirty
+                     for o, n in ((self.segments.offsets[s], self.segments.sizes[s]),)]
+            self._indices = torch.cat([keep, *fresh])
+        self._dirty = set()
+        return self._indices
+
+    def counts(self) -> torch.Tensor:
+        """Selected elements per segment."""
+        return self.segments.counts(self.indices())
 
 
 class ThresholdCompressor(Compressor):
     """One threshold per segment, selected in one pass; subclasses say how thresholds are found.
 
     Subclasses implement :meth:`thresholds` and may override :meth:`refine` to correct thresholds
-    from the counts they selected (re-selecting, or adjusting the next step's thresholds).
+    from the counts they selected (re-applying some segments, or adjusting the next step's).
     """
 
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
@@ -54,17 +120,17 @@ class ThresholdCompressor(Compressor):
             return None
         view = SegmentView(flat, segments, self.density)
         thr = self.thresholds(view, step)
-        indices, counts = view.select(thr)
-        return self.refine(view, thr, indices, counts, step)
+        view.apply(thr)
+        self.refine(view, thr, view.counts(), step)
+        return view.indices()
 
     @abstractmethod
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
         """A threshold on ``|x|`` per segment (tensor of length ``len(view.segments)``)."""
 
-    def refine(self, view: SegmentView, thresholds: torch.Tensor, indices: torch.Tensor,
-               counts: torch.Tensor, step: int) -> torch.Tensor:
-        """Final indices, given what ``thresholds`` selected; the default keeps them."""
-        return indices
+    def refine(self, view: SegmentView, thresholds: torch.Tensor, counts: torch.Tensor, step: int) -> None:
+        """Correct the selection from the counts ``thresholds`` gave (``view.apply`` again, for
+        some segments), or adjust state for the next step; the default keeps the selection."""
 
 
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -100,7 +166,7 @@ class PeriodicThreshold(ThresholdCompressor):
     def _estimate(self, view: SegmentView, which, step: int) -> torch.Tensor:
         for s in which:
             name = view.segments.names[s]
-            self._threshold[name] = self.estimate(view.parts[s], int(view.k[s]))
+            self._threshold[name] = self.estimate(view.part(s), int(view.k[s]))
             self._estimated_at[name] = step
         return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
 
@@ -109,12 +175,11 @@ class PeriodicThreshold(ThresholdCompressor):
                  if name not in self._estimated_at or not 0 <= step - self._estimated_at[name] < self.interval]
         return self._estimate(view, stale, step)
 
-    def refine(self, view, thresholds, indices, counts, step):
+    def refine(self, view, thresholds, counts, step):
         ks = view.k
         off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
         off_band &= view.max > 0
         drifted = [s for s in torch.nonzero(off_band).flatten().tolist()
                    if self._estimated_at[view.segments.names[s]] != step]
-        if not drifted:
-            return indices
-        return view.select(self._estimate(view, drifted, step))[0]
+        if drifted:
+            view.apply(self._estimate(view, drifted, step), drifted)

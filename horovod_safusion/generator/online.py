@@ -166,7 +166,9 @@ class OnlineGenerator:
         ready = [0.0 if np.isnan(r) else r for r in ready]
         prefix = float(np.median([x["prefix"] for x in s]))
         suffix = float(np.median([x["suffix"] for x in s]))
-        cp_sizes, cp_secs, per_segment = compression_sweep(controller, tensors)
+        buf = max(controller.buffers, key=lambda b: b.numel)
+        cp_sizes, cp_secs, per_segment = compression_sweep(controller.compressor, [t.numel for t in tensors],
+                                                           buf.dtype, buf.device)
         cm_bytes, cm_secs = communication_sweep(controller, tensors, process_set)
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
@@ -207,39 +209,43 @@ def _sizes(lo: int, hi: int) -> list[int]:
     return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
 
 
-def compression_sweep(controller, tensors: Sequence[TensorInfo],
-                      steps: int = 10) -> tuple[list[int], list[float], float]:
-    """Compression cost of the job's compressor (a copy of it, so the job's state is untouched).
-
-    Returns the swept dense sizes, the seconds to compress one buffer of one segment of each size,
-    and the extra seconds per additional segment (measured on a buffer cut into 16 segments),
-    because the controller selects a whole buffer in one pass.
-    """
+def time_compression(compressor, seg_sizes: Sequence[int], dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu", steps: int = 10) -> float:
+    """Mean seconds of one selection (with residual bookkeeping) of a buffer cut into ``seg_sizes``,
+    on a copy of ``compressor`` so that the caller's state is untouched."""
     from ..controller import sparsify
 
-    numels = [t.numel for t in tensors]
-    buf = max(controller.buffers, key=lambda b: b.numel)
-    element = torch.empty((), dtype=buf.dtype).element_size()
+    device = torch.device(device)
+    comp = copy.deepcopy(compressor)
+    seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), tuple(seg_sizes), device)
+    data = torch.randn(seg.numel, dtype=dtype, device=device)
+    flat = data.clone()
+    sparsify(comp, flat, seg, 0)  # warm-up
+    clock = Clock(device)
+    a = clock.mark()
+    for step in range(1, steps + 1):
+        flat.copy_(data)
+        sparsify(comp, flat, seg, step)
+    return clock.seconds(a, clock.mark()) / steps
+
+
+def compression_sweep(compressor, numels: Sequence[int], dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> tuple[list[int], list[float], float]:
+    """Compression cost curve of ``compressor`` over the size range of ``numels``.
+
+    Returns the swept dense sizes in bytes, the seconds to compress a one-segment buffer of each,
+    and the extra seconds per additional segment (a buffer cut into 16 segments against one),
+    because the controller selects a whole buffer in one pass. The first two are a
+    :class:`CostCurve`'s points.
+    """
     sizes = _sizes(min(numels), max(numels))
-    if controller.compressor.dense:
+    element = torch.empty((), dtype=dtype).element_size()
+    if compressor.dense:
         return [n * element for n in sizes], [0.0] * len(sizes), 0.0
-    clock = Clock(buf.device)
-
-    def timed(seg_sizes: tuple[int, ...]) -> float:
-        comp = copy.deepcopy(controller.compressor)
-        seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), seg_sizes, buf.device)
-        data = torch.randn(seg.numel, dtype=buf.dtype, device=buf.device)
-        flat = data.clone()
-        sparsify(comp, flat, seg, 0)  # warm-up
-        a = clock.mark()
-        for step in range(1, steps + 1):
-            flat.copy_(data)
-            sparsify(comp, flat, seg, step)
-        return clock.seconds(a, clock.mark()) / steps
-
-    seconds = [timed((n,)) for n in sizes]
+    seconds = [time_compression(compressor, (n,), dtype, device) for n in sizes]
     n = max(16, int(np.median(numels)) * 16)
-    per_segment = max(0.0, (timed((n // 16,) * 16) - timed((n // 16 * 16,))) / 15)
+    per_segment = max(0.0, (time_compression(compressor, (n // 16,) * 16, dtype, device)
+                            - time_compression(compressor, (n // 16 * 16,), dtype, device)) / 15)
     return [n * element for n in sizes], seconds, per_segment
 
 

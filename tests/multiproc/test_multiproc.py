@@ -125,3 +125,9 @@ def test_generator_builds_identical_plans_from_different_local_timings(job):
         assert r["switch_param_diff"] <= (0.0 if job[0]["size"] == 2 else 1e-6)
     # rank 1 sleeps 10 ms in backward, rank 0 does not: they measured differently
     assert recs[1]["local_backward"] > recs[0]["local_backward"] + 0.005
+
+
+def test_randomk_selects_the_same_indices_on_every_rank(job):
+    for r in per_rank(job, "randomk_shared_indices"):
+        assert r["equal"]
+        assert r["nonzero"] <= r["selected"]  # no index from another rank widened the union

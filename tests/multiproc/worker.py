@@ -306,6 +306,27 @@ def scenario_generator_alignment():
             "shared_backward": max(opt.profile.ready), "switch_param_diff": diff, "switched_at": switched_at}
 
 
+def scenario_randomk_shared_indices():
+    """Random-k picks the same positions on every rank, whatever each rank's gradient."""
+    from horovod_safusion.compressors import RandomK
+    from horovod_safusion.segment import Segments
+    seg = Segments(("a", "b"), (10_000, 300))
+    flat = torch.randn(10_300, generator=torch.Generator().manual_seed(hvd.rank()))
+    picks = [RandomK(0.01, seed=5).select(flat, seg, step).tolist() for step in range(3)]
+    gathered = hvd.allgather_object(picks, name="randomk.picks")
+    # and through the optimizer: every rank sends rows for the same indices, so the aggregate has
+    # exactly as many nonzeros as one rank selected
+    m = make()
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                   compressor="randomk", density=0.05, fusion=NaivePlanner(1 << 20))
+    x, y = batch(0)
+    F.cross_entropy(m(x), y).backward()
+    opt.synchronize()
+    nonzero = sum(int((p.grad != 0).sum()) for p in m.parameters())
+    return {"equal": all(g == gathered[0] for g in gathered), "nonzero": nonzero,
+            "selected": opt.last_stats.selected}
+
+
 def scenario_plan_mismatch():
     """Different plans on different ranks: a clear error on every rank, naming the buffer."""
     m = make()

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from horovod_safusion.compressors import (DGC, Compressor, ExDyna, GaussianK, RandomK, RedSync, SIDCo, TopK,
                                           available_compressors, make_compressor, register_compressor)
 from horovod_safusion.compressors.sidco import tail_quantile
+from horovod_safusion.compressors.threshold import SegmentView
 from horovod_safusion.segment import Segments
 
 
@@ -132,8 +133,7 @@ def test_gaussiank_threshold_is_the_normal_percent_point():
     g = torch.Generator().manual_seed(1)
     flat = 3.0 * torch.randn(400_000, generator=g)
     c = GaussianK(0.05, refine_passes=0)
-    thr = c.thresholds(__import__("horovod_safusion.compressors.threshold", fromlist=["SegmentView"])
-                       .SegmentView(flat, segs(400_000), 0.05), 0)
+    thr = c.thresholds(SegmentView(flat, segs(400_000), 0.05), 0)
     assert float(thr[0]) == pytest.approx(3.0 * 1.959964, rel=0.01)  # Φ⁻¹(0.975) σ
 
 

@@ -1,0 +1,172 @@
+"""Compressors on real gradients: actual density, missing tensors, and ahead-vs-behind cost.
+
+    python benchmarks/bench_compressors.py [--iterations 200 --densities 0.01 0.001]
+
+A CIFAR-style ResNet-18 (62 parameter tensors) trains on scikit-learn's digits with plain SGD;
+at every iteration every compressor, at every density, in both orders — ``ahead`` (one segment per
+tensor, SAFusion §3.1) and ``behind`` (one segment per fusion buffer, §2.4) — selects from the same
+gradients on the same four aligned fusion buffers, each configuration with its own error-feedback
+residuals. After ``--warmup`` iterations it records the actual density (the fraction of elements
+selected), the fraction of tensors with a nonzero gradient but no selected element ("missing",
+§2.4), and the selection time per iteration. It prints a table, draws a PNG, and writes each
+compressor's cost curve (seconds against dense bytes, plus the per-segment cost) as JSON in the
+format of :class:`horovod_safusion.generator.CostCurve`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from digits import load_digits_split  # noqa: E402
+from models import resnet18  # noqa: E402
+
+from horovod_safusion.compressors import available_compressors, make_compressor  # noqa: E402
+from horovod_safusion.controller import sparsify  # noqa: E402
+from horovod_safusion.generator import InterPlanner, TensorInfo  # noqa: E402
+from horovod_safusion.generator.online import compression_sweep  # noqa: E402
+from horovod_safusion.segment import Segments  # noqa: E402
+
+COMPRESSORS = [c for c in available_compressors() if c != "none"]
+
+
+class Config:
+    """One compressor at one density in one order, with its own residual per buffer."""
+
+    def __init__(self, name, density, order, buffers):
+        self.name, self.density, self.order = name, density, order
+        self.compressor = make_compressor(name, density)
+        self.residual = [torch.zeros(sum(b.sizes)) for b in buffers]
+        self.density_log, self.missing_log, self.seconds_log = [], [], []
+
+    def step(self, step, grads, buffers, record):
+        selected = missing = live = 0
+        elapsed = 0.0
+        for b, (tensor_segs, grad) in enumerate(zip(buffers, grads)):
+            acc = grad + self.residual[b]
+            segs = tensor_segs if self.order == "ahead" else Segments((f"buffer{b}",), (acc.numel(),))
+            t0 = time.perf_counter()
+            _, indices = sparsify(self.compressor, acc, segs, step)
+            elapsed += time.perf_counter() - t0
+            self.residual[b] = acc
+            counts = tensor_segs.counts(indices)
+            nonzero = torch.stack([p.abs().amax() for p in (grad + 0).split(list(tensor_segs.sizes))]) > 0
+            selected += int(counts.sum())
+            missing += int(((counts == 0) & nonzero).sum())
+            live += int(nonzero.sum())
+        if record:
+            total = sum(b.numel for b in buffers)
+            self.density_log.append(selected / total)
+            self.missing_log.append(missing / max(live, 1))
+            self.seconds_log.append(elapsed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.001])
+    ap.add_argument("--width", type=int, default=16, help="ResNet-18 base width")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--buffers", type=int, default=4, help="aligned fusion buffers (safusion-inter's M)")
+    ap.add_argument("--out", default="out/bench_compressors")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    x, y, _, _ = load_digits_split()
+    model = resnet18(width=args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    named = [(n, p) for n, p in model.named_parameters()][::-1]  # back-propagation order
+    plan = InterPlanner(args.buffers).plan([TensorInfo(n, p.numel(), 4, "f32") for n, p in named])
+    params = dict(named)
+    buffers = [Segments(tuple(b), tuple(params[n].numel() for n in b)) for b in plan.buffers]
+    configs = [Config(c, d, o, buffers) for d in args.densities for c in COMPRESSORS for o in ("ahead", "behind")]
+
+    for it in tqdm(range(args.iterations), desc="iterations"):
+        i = (it * args.batch_size) % (len(x) - args.batch_size)
+        opt.zero_grad()
+        F.cross_entropy(model(x[i:i + args.batch_size]), y[i:i + args.batch_size]).backward()
+        opt.step()
+        grads = [torch.cat([params[n].grad.reshape(-1) for n in b]) for b in plan.buffers]
+        for cfg in configs:
+            cfg.step(it, grads, buffers, record=it >= args.warmup)
+
+    rows = report(configs, args)
+    os.makedirs(args.out, exist_ok=True)
+    curves = {}
+    for name in tqdm(COMPRESSORS, desc="cost curves"):
+        sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), [p.numel() for p in params.values()])
+        curves[name] = {"sizes": sizes, "seconds": seconds, "segment_cost": per_segment}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "cost_curves.json"), "w") as f:
+        json.dump(curves, f, indent=1)
+    plot(rows, args, os.path.join(args.out, "compressors.png"))
+    print(f"wrote {args.out}/results.json, cost_curves.json, compressors.png")
+
+
+def report(configs, args):
+    by = {(c.name, c.density, c.order): c for c in configs}
+    rows = []
+    print(f"\nResNet-18 w{args.width} on digits, {len(configs[0].residual)} aligned buffers, "
+          f"{args.iterations} iterations ({args.warmup} warm-up); density = selected / elements")
+    print(f"{'compressor':<10} {'target':>7} | {'ahead density':>18} {'missing':>7} {'ms':>6} | "
+          f"{'behind density':>18} {'missing':>7} {'ms':>6} | {'ahead/behind':>12}")
+    for d in args.densities:
+        for name in COMPRESSORS:
+            a, b = by[(name, d, "ahead")], by[(name, d, "behind")]
+            row = {"compressor": name, "target": d}
+            for tag, c in (("ahead", a), ("behind", b)):
+                row[tag] = {"density_mean": float(np.mean(c.density_log)), "density_std": float(np.std(c.density_log)),
+                            "missing_mean": float(np.mean(c.missing_log)),
+                            "ms_median": 1e3 * float(np.median(c.seconds_log))}
+            row["time_ratio"] = row["ahead"]["ms_median"] / row["behind"]["ms_median"]
+            rows.append(row)
+            fmt = lambda r: (f"{r['density_mean']:.5f}±{r['density_std']:.5f} ({r['density_mean'] / d:4.2f}x)"
+                             f" {100 * r['missing_mean']:6.1f}% {r['ms_median']:6.2f}")
+            print(f"{name:<10} {d:>7g} | {fmt(row['ahead'])} | {fmt(row['behind'])} | {row['time_ratio']:>11.2f}x")
+    return rows
+
+
+def plot(rows, args, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, title in ((axes[0], "density", "actual / target density (ahead)"),
+                           (axes[1], "missing", "tensors missing (%)"),
+                           (axes[2], "ms", "selection ms per iteration")):
+        for j, d in enumerate(args.densities):
+            sub = [r for r in rows if r["target"] == d]
+            xs = np.arange(len(sub)) + (j - 0.5) * 0.4
+            if key == "density":
+                ax.bar(xs, [r["ahead"]["density_mean"] / d for r in sub], 0.4, label=f"d={d:g}",
+                       yerr=[r["ahead"]["density_std"] / d for r in sub])
+            elif key == "missing":
+                ax.bar(xs, [100 * r["behind"]["missing_mean"] for r in sub], 0.4, label=f"behind d={d:g}")
+                ax.plot(xs, [100 * r["ahead"]["missing_mean"] for r in sub], "k_", ms=10)
+            else:
+                ax.bar(xs, [r["behind"]["ms_median"] for r in sub], 0.4, label=f"behind d={d:g}", alpha=0.6)
+                ax.plot(xs, [r["ahead"]["ms_median"] for r in sub], "k^", ms=5, label="ahead" if j == 0 else None)
+        names = [r["compressor"] for r in rows if r["target"] == args.densities[0]]
+        ax.set_xticks(np.arange(len(names)), names, rotation=45, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_ylabel("% of tensors with a nonzero gradient (— ahead)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
