@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16, help="ResNet-18 base width")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--buffers", type=int, default=4, help="aligned fusion buffers (safusion-inter's M)")
+    ap.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS)
     ap.add_argument("--out", default="out/bench_compressors")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -89,7 +90,7 @@ def main() -> None:
     plan = InterPlanner(args.buffers).plan([TensorInfo(n, p.numel(), 4, "f32") for n, p in named])
     params = dict(named)
     buffers = [Segments(tuple(b), tuple(params[n].numel() for n in b)) for b in plan.buffers]
-    configs = [Config(c, d, o, buffers) for d in args.densities for c in COMPRESSORS for o in ("ahead", "behind")]
+    configs = [Config(c, d, o, buffers) for d in args.densities for c in args.compressors for o in ("ahead", "behind")]
 
     for it in tqdm(range(args.iterations), desc="iterations"):
         i = (it * args.batch_size) % (len(x) - args.batch_size)
@@ -103,7 +104,7 @@ def main() -> None:
     rows = report(configs, args)
     os.makedirs(args.out, exist_ok=True)
     curves = {}
-    for name in tqdm(COMPRESSORS, desc="cost curves"):
+    for name in tqdm(args.compressors, desc="cost curves"):
         sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), [p.numel() for p in params.values()])
         curves[name] = {"sizes": sizes, "seconds": seconds, "segment_cost": per_segment}
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -122,7 +123,7 @@ def report(configs, args):
     print(f"{'compressor':<10} {'target':>7} | {'ahead density':>18} {'missing':>7} {'ms':>6} | "
           f"{'behind density':>18} {'missing':>7} {'ms':>6} | {'ahead/behind':>12}")
     for d in args.densities:
-        for name in COMPRESSORS:
+        for name in args.compressors:
             a, b = by[(name, d, "ahead")], by[(name, d, "behind")]
             row = {"compressor": name, "target": d}
             for tag, c in (("ahead", a), ("behind", b)):

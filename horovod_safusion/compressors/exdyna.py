@@ -11,8 +11,17 @@ next threshold is ``δ · sf`` with (Algorithm 5, lines 1–8)::
          1 − γ       otherwise
 
 so selection costs one comparison pass and the actual density settles at the target over
-iterations. A segment's first threshold is its exact k-th largest magnitude. ExDyna's block
-partitioning and partition allocation (Algorithms 2–4) belong to the ``exdyna`` communicator.
+iterations; as in ExDyna's Algorithm 1 (line 14), ``k′`` and ``k`` are totals over the selection
+(the whole buffer), so one decision per step scales every threshold. A segment's first threshold
+is its exact k-th largest magnitude.
+
+With ``relative=True`` (the default, our addition) δ is kept in units of the segment's current mean
+magnitude: the threshold applied is ``δ · mean|x|``. The gradient's scale changes from one
+mini-batch to the next far faster than a 5 % step per iteration can follow — on small batches the
+actual density then swings by an order of magnitude around the target — while its shape, which is
+what δ has to learn, changes slowly. ``relative=False`` is the paper's absolute threshold.
+ExDyna's block partitioning and partition allocation (Algorithms 2–4) belong to the ``exdyna``
+communicator.
 """
 from __future__ import annotations
 
@@ -30,27 +39,34 @@ class ExDyna(ThresholdCompressor):
         density: target fraction of elements per segment.
         beta: β > 1, the band ``(1/β, β]`` of ``k′/k`` in which the threshold is only nudged up.
         gamma: γ in (0, 1), the scaling step. Smaller settles more finely and more slowly.
+        relative: keep δ in units of the segment's mean magnitude (see above).
     """
 
-    def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.05) -> None:
+    def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.05,
+                 relative: bool = True) -> None:
         super().__init__(density)
         if beta <= 1.0:
             raise ValueError(f"beta must be > 1, got {beta!r}")
         if not 0.0 < gamma < 1.0:
             raise ValueError(f"gamma must satisfy 0 < gamma < 1, got {gamma!r}")
-        self.beta, self.gamma = float(beta), float(gamma)
-        self._threshold: dict[str, float] = {}
+        self.beta, self.gamma, self.relative = float(beta), float(gamma), bool(relative)
+        self._threshold: dict[str, float] = {}  # δ per segment (relative to mean|x| if relative)
 
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
+        unit = view.means().clamp(min=torch.finfo(torch.float64).tiny) if self.relative else None
+        self._unit = unit
         for s, name in enumerate(view.segments.names):
             if name not in self._threshold:  # δ_0
-                self._threshold[name] = float(kth_largest(view.part(s), int(view.k[s])))
-        return torch.tensor([self._threshold[n] for n in view.segments.names], device=view.abs.device)
+                first = float(kth_largest(view.part(s), int(view.k[s])))
+                self._threshold[name] = first / float(unit[s]) if self.relative else first
+        delta = torch.tensor([self._threshold[n] for n in view.segments.names], dtype=torch.float64,
+                             device=view.abs.device)
+        return delta * unit if self.relative else delta
 
     def refine(self, view, thresholds, counts, step):
-        exam = counts.to(torch.float64) / view.k.to(torch.float64)
-        sf = torch.where(exam > self.beta, 1 + self.gamma,
-                         torch.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
         live = view.max > 0  # an all-zero segment says nothing about its threshold
-        nxt = torch.where(live, thresholds.to(torch.float64) * sf, thresholds.to(torch.float64))
+        exam = float(counts[live].sum()) / max(1.0, float(view.k[live].sum()))  # k'/k, Alg. 1 line 14
+        sf = 1 + self.gamma if exam > self.beta else 1 + self.gamma / 4 if exam > 1 / self.beta else 1 - self.gamma
+        delta = thresholds.to(torch.float64) / self._unit if self.relative else thresholds.to(torch.float64)
+        nxt = torch.where(live, delta * sf, delta)
         self._threshold.update(zip(view.segments.names, nxt.tolist()))

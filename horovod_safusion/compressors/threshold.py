@@ -143,10 +143,11 @@ class PeriodicThreshold(ThresholdCompressor):
     periodically estimate the threshold ... and reuse it in some subsequent iterations").
 
     Error feedback makes the accumulated gradient grow while residuals build up, so a reused
-    threshold whose segment selects more than ``drift · (k + 1)`` or fewer than ``k / drift``
-    elements is re-estimated at once and the buffer re-selected (the ``+ 1`` keeps tiny segments
-    with ``k = 1`` from being re-estimated for a handful of extra elements). Subclasses implement
-    :meth:`estimate` for one segment.
+    threshold whose segment selects more than ``drift · (k + 1)`` elements is replaced at once by the
+    k-th largest among the elements it selected (DGC's hierarchical selection: cost ∝ selected), and
+    one that selects fewer than ``k / drift`` is estimated anew; only those segments are re-selected
+    (the ``+ 1`` keeps tiny segments with ``k = 1`` from being corrected for a handful of extra
+    elements). Subclasses implement :meth:`estimate` for one segment.
     """
 
     def __init__(self, density: float, interval: int, drift: float) -> None:
@@ -177,9 +178,23 @@ class PeriodicThreshold(ThresholdCompressor):
 
     def refine(self, view, thresholds, counts, step):
         ks = view.k
-        off_band = (counts * self.drift < ks) | (counts > ks * self.drift + self.drift)
-        off_band &= view.max > 0
-        drifted = [s for s in torch.nonzero(off_band).flatten().tolist()
-                   if self._estimated_at[view.segments.names[s]] != step]
-        if drifted:
-            view.apply(self._estimate(view, drifted, step), drifted)
+        live = view.max > 0
+        fresh = torch.tensor([self._estimated_at[n] == step for n in view.segments.names], device=ks.device)
+        many = (counts > ks * self.drift + self.drift) & live & ~fresh
+        few = (counts * self.drift < ks) & live & ~fresh
+        if not bool((many | few).any()):
+            return
+        thr = thresholds.clone()
+        too_many = torch.nonzero(many).flatten().tolist()
+        if too_many:  # DGC's hierarchical selection: the k-th largest among the current candidates
+            indices = view.indices()
+            owner = torch.searchsorted(view.segments.starts, indices, right=True) - 1
+            for s in too_many:
+                thr[s] = kth_largest(view.abs[indices[owner == s]], int(ks[s]))
+                self._threshold[view.segments.names[s]] = float(thr[s])
+        too_few = torch.nonzero(few).flatten().tolist()
+        if too_few:  # the threshold is far too high: estimate anew
+            thr = self._estimate(view, too_few, step).to(thr.dtype)
+            thr[too_many] = torch.tensor([self._threshold[view.segments.names[s]] for s in too_many],
+                                         dtype=thr.dtype, device=thr.device)
+        view.apply(thr, too_many + too_few)

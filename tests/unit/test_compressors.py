@@ -138,18 +138,33 @@ def test_gaussiank_threshold_is_the_normal_percent_point():
 
 
 def test_exdyna_scales_thresholds_by_algorithm_5():
-    c = ExDyna(density=0.01, beta=1.1, gamma=0.1)
+    c = ExDyna(density=0.01, beta=1.1, gamma=0.1, relative=False)
     s, flat = gaussian_segments()
     c.select(flat.clone(), s, 0)  # δ_0: exact k-th largest, so k' = k: exam = 1 in (1/β, β] → ×(1 + γ/4)
     first = dict(c._threshold)
     k0 = float(torch.topk(flat[:200_000].abs(), 2000).values.min())
     assert first["s0"] == pytest.approx(k0 * 1.025, rel=1e-6)
-    c._threshold["s0"] = 0.0  # selects everything: exam > β → ×(1 + γ) of the (clipped-to-max) … threshold
-    c._threshold["s1"] = 1e9  # selects only the maximum (clip): exam < 1/β → ×(1 − γ)
+    assert first["s3"] == 0.0  # the all-zero tensor: its k-th largest, never scaled
+    c._threshold.update(s0=0.0, s1=0.0)  # select (almost) everything: exam = k'/k > β → ×(1 + γ)
     c.select(flat.clone(), s, 1)
-    assert c._threshold["s0"] == 0.0  # 0 · (1 + γ)
-    assert c._threshold["s1"] == pytest.approx(1e9 * 0.9)
-    assert c._threshold["s3"] == first["s3"]  # the all-zero tensor leaves its threshold alone
+    assert c._threshold["s2"] == pytest.approx(first["s2"] * 1.1, rel=1e-6)  # one decision for all
+    c._threshold.update(s0=1e9, s1=1e9, s2=1e9)  # only each maximum: exam < 1/β → ×(1 − γ)
+    c.select(flat.clone(), s, 2)
+    assert c._threshold["s0"] == pytest.approx(1e9 * 0.9)
+
+
+def test_exdyna_relative_threshold_follows_the_gradient_scale():
+    s = segs(50_000)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(50_000, generator=g)
+    counts = {}
+    for relative in (True, False):
+        c = ExDyna(density=0.01, relative=relative)
+        n0 = s.counts(c.select(base, s, 0))[0].item()
+        n1 = s.counts(c.select(100 * base, s, 1))[0].item()  # the next batch's gradient is 100x larger
+        counts[relative] = (n0, n1)
+    assert counts[True][0] == 500 and 0.85 * 500 <= counts[True][1] <= 500  # only Alg. 5's small nudge
+    assert counts[False][1] > 40 * 500  # an absolute threshold lets almost everything through
 
 
 def test_exdyna_density_settles_at_the_target():
@@ -157,8 +172,8 @@ def test_exdyna_density_settles_at_the_target():
     s = segs(50_000)
     c = ExDyna(density=0.01)
     densities = []
-    for step in range(200):  # a slowly drifting distribution
-        flat = (1 + step / 100) * torch.randn(50_000, generator=g)
+    for step in range(200):  # a drifting, noisy scale
+        flat = (1 + step / 100) * (0.5 + torch.rand(1, generator=g)) * torch.randn(50_000, generator=g)
         densities.append(s.counts(c.select(flat, s, step))[0].item() / 50_000)
     tail = densities[50:]
     assert 0.009 <= sum(tail) / len(tail) <= 0.011
