@@ -54,10 +54,6 @@ class FusionPlan:
         """All tensor names in plan order."""
         return [n for b in self.buffers for n in b]
 
-    def buffer_of(self) -> dict[str, int]:
-        """Mapping tensor name → buffer id (the controller's lookup list, SAFusion §4)."""
-        return {n: i for i, b in enumerate(self.buffers) for n in b}
-
     def validate(self, trainable: Iterable[str], numel: dict[str, int] | None = None) -> None:
         """Raise ``ValueError`` unless every trainable name appears exactly once and nothing else.
 
@@ -119,16 +115,6 @@ class FusionPlan:
             return f"number of fusion buffers differs: {len(self.buffers)} vs {len(other.buffers)}"
         return None
 
-    def table(self, numel: dict[str, int] | None = None, element_bytes: dict[str, int] | None = None) -> str:
-        """A plain-text table: buffer id, tensor count, dense bytes, first and last tensor."""
-        rows = [f"{'buffer':>6} {'tensors':>7} {'dense bytes':>12}  first .. last"]
-        for i, b in enumerate(self.buffers):
-            nbytes = (sum(numel[n] * (element_bytes or {}).get(n, 4) for n in b)
-                      if numel is not None else float("nan"))
-            rows.append(f"{i:>6} {len(b):>7} {nbytes:>12.0f}  {b[0]} .. {b[-1]}")
-        rows.append(f"order: {self.order}, planner: {self.planner}, digest: {self.digest()[:12]}")
-        return "\n".join(rows)
-
 
 def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of ``process_set`` hold the same plan.
@@ -158,20 +144,16 @@ def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
                      f"the same buffers); rank {hvd.rank()} versus rank {versus}: {diff}")
 
 
-def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: int,
-                      same_group: dict[str, object] | None = None) -> list[list[str]]:
+def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: int) -> list[list[str]]:
     """Cut ``names`` into consecutive buffers of at most ``capacity`` dense bytes.
 
-    A tensor larger than ``capacity`` gets a buffer of its own. When ``same_group`` is given, a
-    buffer is also closed where the group key (dtype, device) changes, because one buffer is one
-    flat tensor.
+    A tensor larger than ``capacity`` gets a buffer of its own.
     """
     buffers: list[list[str]] = []
     current: list[str] = []
     size = 0
     for n in names:
-        key_change = same_group is not None and current and same_group[n] != same_group[current[-1]]
-        if current and (size + nbytes[n] > capacity or key_change):
+        if current and size + nbytes[n] > capacity:
             buffers.append(current)
             current, size = [], 0
         current.append(n)
@@ -182,7 +164,8 @@ def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: in
 
 
 def split_at_group_changes(buffers: Sequence[Sequence[str]], group: dict[str, object]) -> list[list[str]]:
-    """Cut buffers where the group key (dtype, device) of consecutive tensors changes."""
+    """Cut buffers where the group key (dtype, device) of consecutive tensors changes: one
+    buffer is one flat tensor."""
     out: list[list[str]] = []
     for b in buffers:
         current: list[str] = []

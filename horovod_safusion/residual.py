@@ -29,13 +29,6 @@ class ResidualStore:
         """Forget ``name``'s residual (equivalent to zeros): used when every element was sent."""
         self._residuals.pop(name, None)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._residuals
-
-    def norm(self) -> float:
-        """Sum of squared residual entries (a cheap diagnostic of what is held back)."""
-        return float(sum(float(r.double().pow(2).sum()) for r in self._residuals.values()))
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: r.clone() for n, r in self._residuals.items()}
 

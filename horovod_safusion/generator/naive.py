@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import ORDERS, FusionPlan, split_by_capacity
+from ..plan import ORDERS, FusionPlan, split_at_group_changes, split_by_capacity
 from .base import Planner, TensorInfo, register_planner
 
 DEFAULT_CAPACITY_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
@@ -37,8 +37,8 @@ class NaivePlanner(Planner):
 
     def plan(self, tensors: Sequence[TensorInfo], profile=None) -> FusionPlan:
         names = [t.name for t in tensors]
-        buffers = split_by_capacity(names, {t.name: t.nbytes for t in tensors}, self.capacity_bytes,
-                                    {t.name: t.group for t in tensors})
+        buffers = split_by_capacity(names, {t.name: t.nbytes for t in tensors}, self.capacity_bytes)
+        buffers = split_at_group_changes(buffers, {t.name: t.group for t in tensors})
         return FusionPlan(buffers, order=self.order, planner=self.name,
                           meta={"capacity_bytes": self.capacity_bytes})
 
