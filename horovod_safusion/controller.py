@@ -75,7 +75,7 @@ class FusionBuffer:
         self.flat: torch.Tensor | None = None
         self.filled: set[int] = set()
         self.pending: Pending | None = None
-        self.counts: torch.Tensor | None = None
+        self.indices: torch.Tensor | None = None  # what the last launch selected
 
     def segment(self, slot: int) -> slice:
         off = self.tensors.offsets[slot]
@@ -180,8 +180,9 @@ class Controller:
                 self.residuals.discard(name)  # everything was sent
         else:
             for slot, name in enumerate(buf.names):  # what stayed behind is the new residual
-                self.residuals.get(name, buf.flat[buf.segment(slot)]).copy_(buf.flat[buf.segment(slot)])
-        buf.counts = None if indices is None else buf.tensors.counts(indices)
+                rest = buf.flat[buf.segment(slot)]
+                self.residuals.get(name, rest).copy_(rest)
+        buf.indices = indices  # counted in synchronize(), not here in the gradient hook
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
                                               self.prescale, self.postscale)
 
@@ -207,12 +208,13 @@ class Controller:
             stats.tensors += len(buf.names)
             stats.elements += buf.numel
             stats.bytes_sent += buf.pending.bytes_sent
-            if buf.counts is None:
+            if buf.indices is None:
                 stats.selected += buf.numel
             else:
-                stats.selected += int(buf.counts.sum())
-                stats.missing += int((buf.counts == 0).sum())
-            buf.pending, buf.counts = None, None
+                counts = buf.tensors.counts(buf.indices)
+                stats.selected += int(counts.sum())
+                stats.missing += int((counts == 0).sum())
+            buf.pending, buf.indices = None, None
             buf.filled.clear()
         self.steps += 1
         self.last_stats = stats

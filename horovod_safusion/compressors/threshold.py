@@ -68,8 +68,8 @@ class SegmentView:
 
     def part(self, s: int) -> torch.Tensor:
         """``|x|`` of segment ``s``."""
-        return self._views[s][0] if s in self._views else self.abs[self.segments.offsets[s]:][:self.segments.sizes[s]]
-
+        o = self.segments.offsets[s]
+        return self.abs[o:o + self.segments.sizes[s]]
 
     def apply(self, thresholds: torch.Tensor, which: list[int] | None = None) -> None:
         """Select ``|x| >= threshold`` (clipped to the segment's maximum) in ``which`` segments
@@ -184,17 +184,11 @@ class PeriodicThreshold(ThresholdCompressor):
         few = (counts * self.drift < ks) & live & ~fresh
         if not bool((many | few).any()):
             return
-        thr = thresholds.clone()
         too_many = torch.nonzero(many).flatten().tolist()
         if too_many:  # DGC's hierarchical selection: the k-th largest among the current candidates
             indices = view.indices()
             owner = torch.searchsorted(view.segments.starts, indices, right=True) - 1
             for s in too_many:
-                thr[s] = kth_largest(view.abs[indices[owner == s]], int(ks[s]))
-                self._threshold[view.segments.names[s]] = float(thr[s])
-        too_few = torch.nonzero(few).flatten().tolist()
-        if too_few:  # the threshold is far too high: estimate anew
-            thr = self._estimate(view, too_few, step).to(thr.dtype)
-            thr[too_many] = torch.tensor([self._threshold[view.segments.names[s]] for s in too_many],
-                                         dtype=thr.dtype, device=thr.device)
-        view.apply(thr, too_many + too_few)
+                self._threshold[view.segments.names[s]] = float(kth_largest(view.abs[indices[owner == s]], int(ks[s])))
+        too_few = torch.nonzero(few).flatten().tolist()  # far too high: estimated anew
+        view.apply(self._estimate(view, too_few, step), too_many + too_few)

@@ -180,7 +180,7 @@ class OnlineGenerator:
 
         order = sorted(range(L), key=lambda i: (ready[i], i))
         comp, comm = controller.compressor, controller.communicator
-        wire = _wire_bytes(comm, tensors)
+        wire = _wire_bytes(comm, {t.name: controller.params[t.name].dtype for t in tensors})
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=CostCurve(cm_bytes, cm_secs),
@@ -195,14 +195,10 @@ def _allreduce(values: list[float], op: int, name: str, process_set) -> list[flo
     return hvd.allreduce(t, op=op, name=name, process_set=process_set).tolist()
 
 
-def _wire_bytes(communicator, tensors: Sequence[TensorInfo]) -> dict[str, int]:
+def _wire_bytes(communicator, dtypes: dict[str, torch.dtype]) -> dict[str, int]:
     """Bytes per selected element on the wire: the (possibly fp16-compressed) value + int32 index."""
-    out = {}
-    for t in tensors:
-        dtype = getattr(torch, t.group.split("@")[0].replace("torch.", ""))
-        sent, _ = communicator.compression.compress(torch.zeros(1, dtype=dtype))
-        out[t.name] = sent.element_size() + 4
-    return out
+    return {name: communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
+            for name, dtype in dtypes.items()}
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
