@@ -46,6 +46,9 @@ class Config:
         self.compressor = make_compressor(name, density)
         self.residual = [torch.zeros(sum(b.sizes)) for b in buffers]
         self.density_log, self.missing_log, self.seconds_log = [], [], []
+        # What the compressor promises: k = max(1, round(density * n)) per segment.
+        segs = buffers if order == "ahead" else [Segments(("all",), (b.numel,)) for b in buffers]
+        self.promised = sum(int(s.k(density).sum()) for s in segs) / sum(b.numel for b in buffers)
 
     def step(self, step, grads, buffers, record):
         selected = missing = live = 0
@@ -119,20 +122,22 @@ def report(configs, args):
     by = {(c.name, c.density, c.order): c for c in configs}
     rows = []
     print(f"\nResNet-18 w{args.width} on digits, {len(configs[0].residual)} aligned buffers, "
-          f"{args.iterations} iterations ({args.warmup} warm-up); density = selected / elements")
-    print(f"{'compressor':<10} {'target':>7} | {'ahead density':>18} {'missing':>7} {'ms':>6} | "
-          f"{'behind density':>18} {'missing':>7} {'ms':>6} | {'ahead/behind':>12}")
+          f"{args.iterations} iterations ({args.warmup} warm-up); density = selected / elements, "
+          f"(x target); [x promised]: promised = sum over segments of max(1, round(target * n)) / elements")
+    print(f"{'compressor':<10} {'target':>7} | {'ahead density':>26} {'missing':>7} {'ms':>6} | "
+          f"{'behind density':>26} {'missing':>7} {'ms':>6} | {'ahead/behind':>12}")
     for d in args.densities:
         for name in args.compressors:
             a, b = by[(name, d, "ahead")], by[(name, d, "behind")]
             row = {"compressor": name, "target": d}
             for tag, c in (("ahead", a), ("behind", b)):
                 row[tag] = {"density_mean": float(np.mean(c.density_log)), "density_std": float(np.std(c.density_log)),
-                            "missing_mean": float(np.mean(c.missing_log)),
+                            "promised": c.promised, "missing_mean": float(np.mean(c.missing_log)),
                             "ms_median": 1e3 * float(np.median(c.seconds_log))}
             row["time_ratio"] = row["ahead"]["ms_median"] / row["behind"]["ms_median"]
             rows.append(row)
             fmt = lambda r: (f"{r['density_mean']:.5f}±{r['density_std']:.5f} ({r['density_mean'] / d:4.2f}x)"
+                             f" [{r['density_mean'] / r['promised']:4.2f}x]"
                              f" {100 * r['missing_mean']:6.1f}% {r['ms_median']:6.2f}")
             print(f"{name:<10} {d:>7g} | {fmt(row['ahead'])} | {fmt(row['behind'])} | {row['time_ratio']:>11.2f}x")
     return rows

@@ -38,11 +38,15 @@ class ExDyna(ThresholdCompressor):
     Args:
         density: target fraction of elements per segment.
         beta: β > 1, the band ``(1/β, β]`` of ``k′/k`` in which the threshold is only nudged up.
-        gamma: γ in (0, 1), the scaling step. Smaller settles more finely and more slowly.
+        gamma: γ in (0, 1), the scaling step. Smaller settles more finely and more slowly. The
+            paper gives no value, only that the threshold must be "fine-tuned"; with error feedback
+            a coarse step feeds back on itself (a threshold raised after an overshoot leaves more in
+            the residuals, which overshoot again): on ResNet-18's real gradients at density 0.001
+            γ = 0.1 selected 1.4x the per-tensor target counts on average, 0.05 1.12x, 0.01 1.03x.
         relative: keep δ in units of the segment's mean magnitude (see above).
     """
 
-    def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.05,
+    def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.01,
                  relative: bool = True) -> None:
         super().__init__(density)
         if beta <= 1.0:

@@ -60,23 +60,27 @@ class SIDCo(PeriodicThreshold):
         distribution: ``"exponential"``, ``"gpareto"`` or ``"gamma-gpareto"``.
         stages: number of fitting stages (SIDCo uses 1–3; more fit the far tail better).
         interval: steps between estimations.
-        drift: re-estimate early when a count leaves ``[k / drift, drift · (k + 1)]``.
+        drift: correct at once when a count leaves ``[k / drift, drift · (k + 1)]``: above, by
+            hierarchical selection; below, by a new estimate with one stage more.
+        refine_passes: at most this many corrections per step.
     """
 
     def __init__(self, density: float = 0.01, distribution: str = "exponential", stages: int = 2,
-                 interval: int = 10, drift: float = 2.0) -> None:
-        super().__init__(density, interval, drift)
+                 interval: int = 10, drift: float = 2.0, refine_passes: int = 2) -> None:
+        super().__init__(density, interval, drift, refine_passes)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         if stages < 1:
             raise ValueError(f"stages must be >= 1, got {stages!r}")
         self.distribution, self.stages = distribution, int(stages)
 
-    def estimate(self, seg: torch.Tensor, k: int = 0) -> float:
-        """The multi-stage threshold of one segment's magnitudes."""
-        p = self.density ** (1.0 / self.stages)
+    def estimate(self, seg: torch.Tensor, k: int = 0, attempt: int = 0) -> float:
+        """The multi-stage threshold of one segment's magnitudes, with ``attempt`` stages more
+        (SIDCo adapts the number of stages when the selected ratio misses the target)."""
+        stages = self.stages + attempt
+        p = self.density ** (1.0 / stages)
         eta, tail = 0.0, seg
-        for stage in range(self.stages):
+        for stage in range(stages):
             family = ("gamma" if self.distribution == "gamma-gpareto" and stage == 0 else
                       "exponential" if self.distribution == "exponential" else "gpareto")
             eta += tail_quantile(tail, p, family)
