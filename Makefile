@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench clean
+.PHONY: install demo test unit multiproc bench bench-planners clean
 
 install: $(STAMP)
 
@@ -21,7 +21,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests
 
+RATES ?=
 bench: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_throughput.py --np $(NP) \
+		$(if $(RATES),--rates $(RATES))
+
+bench-planners: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) benchmarks/bench_planners.py
 

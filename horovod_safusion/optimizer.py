@@ -45,7 +45,7 @@ _STATE_KEY = "safusion"
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                 process_set=hvd.global_process_set, *, compressor="dgc", density=None,
+                 process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -99,7 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._named_trainable = [(self._parameter_names[p], p) for p in reversed(trainable)]
         self._planner = GroupsPlanner(_group_names(groups, self._parameter_names)) if groups is not None \
             else make_planner(fusion if fusion is not None else DEFAULT_FUSION)
-        comp = make_compressor(compressor, density)
+        comp = make_compressor(_compressor_for(self._planner, compressor), density)
         comm = make_communicator(communicator, comp.dense, process_set, compression)
         prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                                if op == hvd.Average else (1.0, 1.0))
@@ -255,6 +255,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
+def _compressor_for(planner: Planner, compressor: "str | Compressor | None") -> "str | Compressor":
+    """The compressor to use: the default for the planner, or the user's if it fits the planner."""
+    if compressor is None:
+        return "none" if planner.dense else "dgc"
+    if planner.dense and not (compressor == "none" or getattr(compressor, "dense", False)):
+        raise ValueError(f"fusion={planner.name!r} is a dense scheme and sends every element; it cannot use "
+                         f"compressor={compressor!r}: leave compressor unset or pass compressor='none'")
+    return compressor
+
+
 def _group_names(groups, names: dict) -> "int | list[list[str]]":
     """Horovod's ``groups`` validated as Horovod does, as parameter names."""
     if not (isinstance(groups, list) or groups > 0):
@@ -283,7 +293,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          sparse_as_dense=False,
                          process_set=hvd.global_process_set,
                          *,
-                         compressor: "str | Compressor" = "dgc",
+                         compressor: "str | Compressor | None" = None,
                          density: float | None = None,
                          fusion: "str | Planner | None" = None,
                          communicator: "str | Communicator" = "auto",
@@ -304,7 +314,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
 
     Arguments:
         compressor: name of a registered compressor (``"dgc"``, ``"topk"``, ``"none"``, ...;
-                    see ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance.
+                    see ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance;
+                    default ``"dgc"``, or ``"none"`` for the dense scheme ``fusion="horovod"``.
         density: fraction of each tensor's elements sent per step, ``0 < density <= 1``
                  (default 0.01). Lower saves traffic; too low slows convergence.
         fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized

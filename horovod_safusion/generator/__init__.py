@@ -1,5 +1,6 @@
 """Generator: profiles, cost curves, the pipeline simulator and the planners (SAFusion §4, Figure 12)."""
 from .adaptive import SAFusionPlanner
+from .baselines import FusionDegreePlanner, HorovodPlanner, OkTopkPlanner, WFBPPlanner
 from .base import Planner, TensorInfo, available_planners, make_planner, register_planner
 from .costs import CostCurve
 from .groups import GroupsPlanner
@@ -8,6 +9,6 @@ from .naive import NaivePlanner
 from .profile import Profile
 from .simulator import Schedule, simulate
 
-__all__ = ["CostCurve", "GroupsPlanner", "InterPlanner", "NaivePlanner", "Planner", "Profile",
+__all__ = ["CostCurve", "FusionDegreePlanner", "GroupsPlanner", "HorovodPlanner", "OkTopkPlanner", "WFBPPlanner", "InterPlanner", "NaivePlanner", "Planner", "Profile",
            "SAFusionPlanner", "Schedule", "TensorInfo", "available_planners", "make_planner",
            "register_planner", "simulate"]

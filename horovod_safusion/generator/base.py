@@ -37,11 +37,13 @@ class Planner(ABC):
 
     Planners with ``needs_profile = True`` plan from measured costs: the optimizer first runs a
     provisional plan, profiles the job online, and then switches every rank to the planner's plan.
+    Planners with ``dense = True`` describe a dense scheme (no compressor).
     """
 
     name: ClassVar[str] = "?"
     order: ClassVar[str] = "ahead"
     needs_profile: ClassVar[bool] = False
+    dense: ClassVar[bool] = False
 
     @abstractmethod
     def plan(self, tensors: Sequence[TensorInfo], profile: "Profile | None" = None) -> FusionPlan:

@@ -131,3 +131,13 @@ def test_randomk_selects_the_same_indices_on_every_rank(job):
     for r in per_rank(job, "randomk_shared_indices"):
         assert r["equal"]
         assert r["nonzero"] <= r["selected"]  # no index from another rank widened the union
+
+
+def test_baseline_schemes_train_end_to_end(job):
+    for rec in per_rank(job, "schemes"):
+        assert {"horovod", "wfbp", "oktopk"} <= rec.keys()
+        for scheme, r in rec.items():
+            assert r["replicas_equal"] and r["planner"] == scheme, (scheme, r)
+        assert rec["horovod"]["acc"] > 0.6 and rec["horovod"]["missing"] == 0.0
+        assert rec["wfbp"]["order"] == "behind" and rec["wfbp"]["missing"] == 0.0  # one tensor a buffer
+        assert rec["oktopk"]["buffers"] == 1
