@@ -2,12 +2,14 @@
 from .adaptive import SAFusionPlanner
 from .base import Planner, TensorInfo, available_planners, make_planner, register_planner
 from .costs import CostCurve
+from .cupcake import CupcakePlanner
 from .groups import GroupsPlanner
 from .inter import InterPlanner
 from .naive import NaivePlanner
+from .omgs import OMGSPlanner
 from .profile import Profile
 from .simulator import Schedule, simulate
 
-__all__ = ["CostCurve", "GroupsPlanner", "InterPlanner", "NaivePlanner", "Planner", "Profile",
-           "SAFusionPlanner", "Schedule", "TensorInfo", "available_planners", "make_planner",
+__all__ = ["CostCurve", "CupcakePlanner", "GroupsPlanner", "InterPlanner", "NaivePlanner", "OMGSPlanner",
+           "Planner", "Profile", "SAFusionPlanner", "Schedule", "TensorInfo", "available_planners", "make_planner",
            "register_planner", "simulate"]
