@@ -148,8 +148,8 @@ def test_optimum_of_one_buffer():
 def test_every_pruning_alone_is_exact_and_both_explore_least(prune_bound, prune_start):
     for seed in range(3):
         p = random_profile(random.Random(200 + seed), 11)
-        both = CupcakePlanner().plan(p.tensors, p)
-        ablated = CupcakePlanner(prune_bound=prune_bound, prune_start=prune_start).plan(p.tensors, p)
+        both = CupcakePlanner(dominance=False).plan(p.tensors, p)
+        ablated = CupcakePlanner(prune_bound=prune_bound, prune_start=prune_start, dominance=False).plan(p.tensors, p)
         assert simulate(p, ablated).iteration == pytest.approx(simulate(p, both).iteration, rel=1e-12)
         assert both.meta["states_explored"] <= ablated.meta["states_explored"] <= 2 ** 10
     if not (prune_bound or prune_start):
@@ -159,13 +159,36 @@ def test_every_pruning_alone_is_exact_and_both_explore_least(prune_bound, prune_
 @pytest.mark.parametrize("seed", [5, 6, 14])
 def test_each_pruning_fires_and_both_explore_fewer_states_than_either(seed):
     p = random_profile(random.Random(seed), 12)
-    both = CupcakePlanner().plan(p.tensors, p).meta
-    bound_only = CupcakePlanner(prune_start=False).plan(p.tensors, p).meta
-    start_only = CupcakePlanner(prune_bound=False).plan(p.tensors, p).meta
+    both = CupcakePlanner(dominance=False).plan(p.tensors, p).meta
+    bound_only = CupcakePlanner(prune_start=False, dominance=False).plan(p.tensors, p).meta
+    start_only = CupcakePlanner(prune_bound=False, dominance=False).plan(p.tensors, p).meta
     assert both["pruned_by_start"] > 0 and both["pruned_by_bound"] > 0
     assert bound_only["pruned_by_start"] == 0 and start_only["pruned_by_bound"] == 0
     assert both["states_explored"] < min(bound_only["states_explored"], start_only["states_explored"])
     assert max(bound_only["states_explored"], start_only["states_explored"]) < 2 ** 11
+
+
+def test_dominance_is_exact_and_only_removes_states():
+    pruned = 0
+    for seed in range(6):
+        p = random_profile(random.Random(300 + seed), 12)
+        on = CupcakePlanner().plan(p.tensors, p)
+        off = CupcakePlanner(dominance=False).plan(p.tensors, p)
+        assert simulate(p, on).iteration == pytest.approx(simulate(p, off).iteration, rel=1e-12)
+        assert on.meta["states_explored"] <= off.meta["states_explored"]
+        pruned += on.meta["pruned_by_dominance"]
+    assert pruned > 0
+
+
+def test_max_states_stops_with_the_best_plan_found():
+    p = random_profile(random.Random(1), 12)
+    plan = CupcakePlanner(max_states=1).plan(p.tensors, p)
+    assert plan.meta["complete"] is False and plan.meta["states_explored"] == 1
+    assert_valid(plan, p)
+    assert plan.meta["objective_s"] <= plan.meta["bootstrap_s"]
+    assert CupcakePlanner().plan(p.tensors, p).meta["complete"] is True
+    with pytest.raises(ValueError, match="max_states must be a positive .* got 0"):
+        CupcakePlanner(max_states=0)
 
 
 def test_bootstrap_is_the_best_even_split():
