@@ -283,3 +283,25 @@ def test_baselines_give_valid_plans_never_mixing_groups(seed, n):
         plan = planner.plan(p.tensors, p)
         assert_valid(plan, p)
         assert plan.planner == planner.name and plan.order == "behind"
+
+
+# ---- through the optimizer: profile on the provisional plan, then switch ----------------------------
+@pytest.mark.parametrize("fusion", ["cupcake", "omgs"])
+def test_the_optimizer_profiles_then_switches_to_the_baseline(hvd, fusion):
+    import torch
+    import torch.nn.functional as F
+    import horovod_safusion as saf
+    from digits import DigitsCNN, load_digits_split
+
+    torch.manual_seed(0)
+    model = DigitsCNN(width=8)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), fusion=fusion, profile_steps=2)
+    x, y, _, _ = load_digits_split()
+    for s in range(5):
+        opt.zero_grad()
+        F.cross_entropy(model(x[32 * s:32 * (s + 1)]), y[32 * s:32 * (s + 1)]).backward()
+        opt.step()
+    assert opt.plan.planner == fusion and opt.plan.order == "behind"
+    opt.plan.validate([n for n, _ in model.named_parameters()])
+    assert opt.last_stats.buffers == len(opt.plan.buffers)
