@@ -93,7 +93,12 @@ class _Timeline:
             g[k, k:] = p.communicate(message)
             if p.density < 1.0:  # Profile.t_cp: no compression at density 1
                 h[k, k:] = p.compress(dense.astype(np.float64))
-        self.h, self.g = h.tolist(), g.tolist()
+        self.h, self.g = h.tolist(), g.tolist()  # lists: fast scalar look-ups in the recursion
+        # numpy copies for the optimistic outcome of all candidate groups of a state at once;
+        # h_rest[i] = h(i+1, N−1), g_rest likewise (0 past the end)
+        self.h_np, self.g_np, self.ready_np = h, g, np.asarray(self.ready)
+        self.h_rest = np.append(h[1:, n - 1], 0.0)
+        self.g_rest = np.append(g[1:, n - 1], 0.0)
         group = [t.group for t in p.tensors]
         # last[k]: the last tensor a buffer starting at k may hold without mixing groups
         self.last = [0] * n
@@ -252,15 +257,23 @@ class _Search:
             while j_star < last and ready[j_star + 1] + cum_cp + h[k][j_star + 1] <= link_free:
                 j_star += 1
             self.pruned_start += j_star - k
-        b_rest = ready[n - 1] - before  # B(k, N−1)
-        g_last = g[n - 1][n - 1]
-        for i in range(j_star, min(last, n - 2) + 1):  # i = N−1 is the rest-as-one-group case
-            if self.prune_bound:  # Alg. 1 lines 17–25, the optimistic outcome
-                base = b_rest + h[k][i] + h[i + 1][n - 1] + g_last
-                cases = max(ready[i] - before + h[k][i], delay) + g[k][i] + g[i + 1][n - 1]
-                if comp + max(base, cases) > self.best_end:
-                    self.pruned_bound += 1
-                    continue
+        lo, hi = j_star, min(last, n - 2)  # i = N−1 is the rest-as-one-group case above
+        if hi < lo:
+            return
+        candidates = range(lo, hi + 1)
+        bounds = None
+        if self.prune_bound:  # Alg. 1 lines 17–25, the optimistic outcome of every candidate
+            hk = t.h_np[k, lo:hi + 1]
+            base = (ready[n - 1] - before) + hk + t.h_rest[lo:hi + 1] + g[n - 1][n - 1]
+            cases = np.maximum(t.ready_np[lo:hi + 1] - before + hk, delay) + t.g_np[k, lo:hi + 1] + t.g_rest[lo:hi + 1]
+            optimistic = comp + np.maximum(base, cases)
+            keep = np.flatnonzero(optimistic <= self.best_end)
+            self.pruned_bound += hi - lo + 1 - keep.size
+            candidates, bounds = (keep + lo).tolist(), optimistic[keep].tolist()
+        for c, i in enumerate(candidates):
+            if bounds is not None and bounds[c] > self.best_end:  # the best improved meanwhile
+                self.pruned_bound += 1
+                continue
             next_cp, next_free = t.step(cum_cp, link_free, k, i)
             self.find(i + 1, next_cp, next_free, ends + [i])
 
