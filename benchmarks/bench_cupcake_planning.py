@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--cp-floor-ms", type=float, default=0.3, help="compression time up to 4 MB")
     ap.add_argument("--cp-gbps", type=float, default=40.0, help="compression GB/s beyond 4 MB")
     ap.add_argument("--latency-ms", type=float, default=0.2, help="collective start-up α")
-    ap.add_argument("--max-states", type=int, default=20_000, help="stop a search after this many states")
+    ap.add_argument("--max-states", type=int, default=1_000_000, help="stop a search after this many states")
     ap.add_argument("--out", default=os.path.join("out", "bench_cupcake_planning"))
     args = ap.parse_args()
     models = {"ResNet-50 shapes": resnet_layers([3, 4, 6, 3]), "ResNet-101 shapes": resnet_layers([3, 4, 23, 3])}

@@ -30,7 +30,8 @@ later its communication ends:
   ``base`` the least time the last group can communicate after it is compressed,
   ``g(N−1, N−1)`` (``g`` grows with the group): the paper's "no communication overhead" case still
   sends the last group once back-propagation and compression are done. Still a lower bound; on
-  the benchmark's compute-bound ResNet-50 profile it cuts the states explored from 9,894 to 125.
+  the benchmark's compute-bound ResNet-50 profile it cut the states explored from 9,894 to 125
+  (with dominance on).
 * **Bootstrap** (§4.2, "partition a DNN model into multiple groups with the same number of
   tensors"): the best of the even splits into ``1..N`` groups is the initial upper bound.
 * **Dominance** (ours, not in the paper; ``dominance=True`` by default): the rest of the timeline
@@ -44,8 +45,8 @@ later its communication ends:
 
 Both prunings are exact — Theorem 1 holds — under the paper's cost model (§4.1:
 ``g = α_g + β_g·x``, ``h = α_h + β_h·x``, ``α, β ≥ 0``) with additive message sizes: the bound then
-needs ``Σ h(parts) ≥ h(union)`` (likewise ``g``), and Insight #2 needs ``h(a) + h(b)`` to depend on
-``a + b`` only. Profiles with α–β curves and dense messages satisfy this; measured piecewise-linear
+needs ``Σ h(parts) ≥ h(union)`` (likewise ``g``), and Insight #2 needs ``h(a) + h(b)`` and
+``g(a) + g(b)`` to depend on ``a + b`` only. Profiles with α–β curves and dense messages satisfy this; measured piecewise-linear
 curves and sparse messages (``round(density·n)`` per group) only approximately, so there the
 search is the paper's heuristic and ``plan.meta["exact"]`` is ``False``.
 
