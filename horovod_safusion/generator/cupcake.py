@@ -176,6 +176,8 @@ class CupcakePlanner(Planner):
                              "costs; a profile is required (the optimizer profiles the job online "
                              "first; offline: planner.plan(tensors, profile))")
         profile = _in_backprop_order(profile)
+        if not profile.tensors:
+            return FusionPlan([], order=self.order, planner=self.name, meta={"states_explored": 0})
         started = time.perf_counter()
         search = _Search(_Timeline(profile), self.prune_bound, self.prune_start, self.dominance,
                          self.max_states)

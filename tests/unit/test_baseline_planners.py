@@ -14,7 +14,6 @@ from horovod_safusion.plan import FusionPlan
 from synthetic import synthetic_profile
 
 MS = 1e-3
-US = 1e-6
 
 
 # ---- an independent brute force: every contiguous partition, scheduled like the simulator -------
@@ -52,11 +51,6 @@ def brute_force(p: Profile, groups_ok=None):
         elif abs(it - best) <= 1e-15:
             argbest.append(ends)
     return best, argbest
-
-
-def ends_of(plan: FusionPlan, p: Profile):
-    index = {n: i for i, n in enumerate(p.names)}
-    return [index[b[-1]] for b in plan.buffers]
 
 
 def assert_valid(plan: FusionPlan, p: Profile):
