@@ -59,7 +59,8 @@ def profile_model(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .generator import (CostCurve, InterPlanner, NaivePlanner, Profile, SAFusionPlanner, simulate)
+    from .generator import (CostCurve, CupcakePlanner, InterPlanner, NaivePlanner, OMGSPlanner, Profile,
+                            SAFusionPlanner, simulate)
     if (args.profile is None) == (args.model is None):
         raise SystemExit("give exactly one of --profile FILE or --model package.module:callable")
     profile = Profile.load(args.profile) if args.profile else profile_model(args)
@@ -71,7 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise SystemExit("--latency and --bandwidth go together")
         profile.communicate = CostCurve.alpha_beta(args.latency, args.bandwidth / 8)
     planners = {"safusion-naive": NaivePlanner(args.capacity_bytes), "safusion-inter": InterPlanner(args.num_buffers),
-                "safusion": SAFusionPlanner()}
+                "safusion": SAFusionPlanner(), "cupcake": CupcakePlanner(max_states=args.cupcake_max_states),
+                "omgs": OMGSPlanner()}
     plans = {name: p.plan(profile.tensors, profile) for name, p in planners.items()}
     schedules = {name: simulate(profile, plan) for name, plan in plans.items()}
     total = sum(t.numel for t in profile.tensors)
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", type=float, help="bits per second (β = 1/bandwidth), with --latency")
     p.add_argument("--capacity-bytes", type=int, default=DEFAULT_CAPACITY_BYTES, help="for safusion-naive")
     p.add_argument("--num-buffers", type=int, default=4, help="M for safusion-inter")
+    p.add_argument("--cupcake-max-states", type=int, default=100_000,
+                   help="stop Cupcake's search after this many states (default 100000)")
     p.add_argument("--save-profile", help="write the profile used as JSON")
     p.add_argument("--json", help="write the safusion plan as JSON")
     p.set_defaults(fn=cmd_plan)

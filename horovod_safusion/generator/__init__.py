@@ -3,12 +3,15 @@ from .adaptive import SAFusionPlanner
 from .baselines import FusionDegreePlanner, HorovodPlanner, OkTopkPlanner, WFBPPlanner
 from .base import Planner, TensorInfo, available_planners, make_planner, register_planner
 from .costs import CostCurve
+from .cupcake import CupcakePlanner
 from .groups import GroupsPlanner
 from .inter import InterPlanner
 from .naive import NaivePlanner
+from .omgs import OMGSPlanner
 from .profile import Profile
 from .simulator import Schedule, simulate
 
-__all__ = ["CostCurve", "FusionDegreePlanner", "GroupsPlanner", "HorovodPlanner", "OkTopkPlanner", "WFBPPlanner", "InterPlanner", "NaivePlanner", "Planner", "Profile",
-           "SAFusionPlanner", "Schedule", "TensorInfo", "available_planners", "make_planner",
+__all__ = ["CostCurve", "CupcakePlanner", "FusionDegreePlanner", "GroupsPlanner", "HorovodPlanner",
+           "InterPlanner", "NaivePlanner", "OMGSPlanner", "OkTopkPlanner", "Planner", "Profile",
+           "SAFusionPlanner", "Schedule", "TensorInfo", "WFBPPlanner", "available_planners", "make_planner",
            "register_planner", "simulate"]

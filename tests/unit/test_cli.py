@@ -10,7 +10,8 @@ from horovod_safusion.generator import Profile
 def test_list_names_every_registry(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for name in ("dgc", "topk", "none", "safusion-naive", "safusion-inter", "safusion", "allgather", "allreduce"):
+    for name in ("dgc", "topk", "none", "safusion-naive", "safusion-inter", "safusion", "cupcake", "omgs",
+                 "allgather", "allreduce"):
         assert f"  {name} " in out
 
 
@@ -20,7 +21,7 @@ def test_plan_profiles_a_model_on_the_spot_then_replans_a_saved_profile(hvd, cap
                  "--json", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "16 gradient tensors, 45,418 elements, density 0.01, 1 worker(s)" in out
-    for name in ("safusion-naive", "safusion-inter", "safusion"):
+    for name in ("safusion-naive", "safusion-inter", "safusion", "cupcake", "omgs"):
         assert f"\n{name:<16} " in out  # one row per planner in the side-by-side table
     assert "T_cm ms" in out and "predicted iteration" in out
     p = Profile.load(prof)
