@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as e:  # bad input files: the message names the file and what is accepted
+    except (ValueError, OSError) as e:  # bad input files: the message names the file and what is accepted
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -170,7 +170,7 @@ def plot(runs: Sequence[Breakdown], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(runs), 4.2))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.3 * len(runs), 4.2))
     x = np.arange(len(runs))
     bottom = np.zeros(len(runs))
     for (label, keys), colour in zip(_STACK, plt.get_cmap("tab10").colors):
@@ -181,7 +181,7 @@ def plot(runs: Sequence[Breakdown], path: str, title: str = "") -> None:
         ax.text(xi, 1e3 * r.iteration, f"{1e3 * r.iteration:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [r.label for r in runs])
     ax.set_ylabel("ms per iteration")
-    ax.set_title(title or "Training time breakdown (SAFusion Fig. 15 form)")
+    ax.set_title(title or "Training time breakdown", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
