@@ -8,7 +8,7 @@ resolved later, when the events are long complete.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,15 @@ class Clock:
     def anchor(self) -> tuple[float, Any]:
         """A host time and a mark taken together; :meth:`epoch_micros` places marks relative to it."""
         return time.perf_counter(), self.mark()
+
+    def micros_converter(self, anchor: tuple[float, Any], zero_us: float) -> Callable[[Any], float]:
+        """A function: mark → microseconds since ``zero_us`` (epoch microseconds), as :meth:`epoch_micros`.
+
+        On CPU it is one multiply-add, for converting many marks at once."""
+        if self.cuda:
+            return lambda mark: self.epoch_micros(mark, anchor) - zero_us
+        base = _EPOCH_OFFSET * 1e6 - zero_us
+        return lambda mark: mark * 1e6 + base
 
     def epoch_micros(self, mark: Any, anchor: tuple[float, Any]) -> float:
         """Microseconds since the Unix epoch of ``mark``.

@@ -92,6 +92,7 @@ class TimelineRecorder:
         self._steps: deque = deque()      # finished steps not yet converted: (anchor, events)
         self._lines: list[str] = []       # converted, not yet written
         self._unwritten_steps = 0
+        self._args_json: dict[tuple, str] = {}
         self._forward_end: Any = None
         self._row = HOOKS
         self._prev_end: Any = None
@@ -204,19 +205,26 @@ class TimelineRecorder:
                    {"step": step, "plan": planner, "profiling": profiling}))
 
     def _convert(self, anchor: tuple, events: list[tuple]) -> None:
-        pid, us = PID_BASE + self.rank, self.clock.epoch_micros
-        lines = self._lines
+        # Formatted by hand: json.dumps per event would cost several times more (names are constants).
+        us = self.clock.micros_converter(anchor, self._start_us)
+        head = '{"name":"%s","ph":"X","ts":%.3f,"dur":%.3f,"pid":' + str(PID_BASE + self.rank) + ',"tid":%d%s}'
+        lines, cache = self._lines, self._args_json
         for name, row, a, b, args in events:
-            t0 = us(a, anchor) - self._start_us
-            e = {"name": name, "ph": "X", "ts": round(t0, 3), "dur": round(us(b, anchor) - self._start_us - t0, 3),
-                 "pid": pid, "tid": row}
+            t0 = us(a)
             if args:
-                e["args"] = args
+                key = tuple(args.items())
+                text = cache.get(key)
+                if text is None:
+                    text = ',"args":' + json.dumps(args, separators=(",", ":"))
+                    if len(cache) < 10_000:  # tensor names repeat every step; selected counts do not
+                        cache[key] = text
+            else:
+                text = ""
             if row not in self._named_rows:
                 self._named_rows.add(row)
-                lines.append(json.dumps({"name": "thread_name", "ph": "M", "pid": pid, "tid": row,
+                lines.append(json.dumps({"name": "thread_name", "ph": "M", "pid": PID_BASE + self.rank, "tid": row,
                                          "args": {"name": f"collective buffer {row - COLLECTIVES}"}}))
-            lines.append(json.dumps(e))
+            lines.append(head % (name, t0, us(b) - t0, row, text))
         self._unwritten_steps += 1
 
     def flush(self) -> None:

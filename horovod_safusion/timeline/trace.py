@@ -101,11 +101,13 @@ def complete_spans(events: Iterable[dict]) -> dict[tuple, list[tuple[float, floa
     return rows
 
 
-def nesting_violations(events: Iterable[dict], tolerance_us: float = 0.0) -> list[str]:
+def nesting_violations(events: Iterable[dict], tolerance_us: float = 0.01) -> list[str]:
     """Spans on one row that partly overlap (neither disjoint nor nested): impossible on one thread.
 
     Chrome's viewer stacks the spans of one ``(pid, tid)`` row as a call stack, so on every row two
-    spans must either be disjoint or one must contain the other. ``tolerance_us`` absorbs rounding.
+    spans must either be disjoint or one must contain the other. ``tolerance_us`` absorbs rounding:
+    ``ts`` and ``dur`` are written with 3 decimals, so a span that begins where the previous ends
+    (both from one mark) can seem to overlap it by 0.001 µs.
     """
     problems = []
     for key, spans in complete_spans(events).items():
