@@ -13,8 +13,9 @@ name is passed to ``fusion=`` (e.g. ``safusion``, ``safusion-inter``, ``wfbp``).
 
 Printed: the median time per step (slowest rank) with the timeline off and on, and the overhead;
 the recorder's own cost per event, measured alone, times the events of an iteration ("x cost": an
-estimate of the overhead that machine noise does not blur); then the breakdown table of the last repetition's timelines (each merged with Horovod's Timeline
-when ``--timeline-filename`` was given; Horovod is still writing it, which the merger tolerates).
+estimate of the overhead that machine noise does not blur); then the breakdown table of the last
+repetition's timelines (each merged with Horovod's Timeline when ``--timeline-filename`` was given;
+Horovod is still writing it, which the merger tolerates).
 Files go to ``--out``: per-run plugin timelines, merged traces, ``breakdown.png``, ``results.json``.
 """
 from __future__ import annotations
@@ -32,22 +33,25 @@ import horovod.torch as hvd
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from digits import load_digits_split  # noqa: E402
+from digits import DigitsCNN, load_digits_split  # noqa: E402
 from models import resnet18  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
 from horovod_safusion.generator import NaivePlanner  # noqa: E402
 from horovod_safusion.timeline.breakdown import breakdown, plot, table  # noqa: E402
 from horovod_safusion.timeline.merge import merge  # noqa: E402
-from horovod_safusion.timeline.trace import write_trace  # noqa: E402
+from horovod_safusion.timeline.recorder import COMPRESS  # noqa: E402
+from horovod_safusion.timeline.trace import load_events, write_trace  # noqa: E402
 
 
 def fusion_arg(name: str):
     return NaivePlanner(capacity_bytes=1) if name == "layerwise" else name
 
 
-def run(fusion: str, timeline: str | None, args, data) -> float:
-    """Median seconds per timed step of one training run (the slowest rank's)."""
+def run(fusion: str, timeline: str | None, args, data) -> tuple[float, float]:
+    """Median seconds per timed step of one training run, wall and CPU of the training thread
+    (each the slowest rank's). The recorder's work is CPU time of that thread, which other
+    processes on a shared machine disturb far less than wall time."""
     x_tr, y_tr = data
     torch.manual_seed(args.seed)
     model = resnet18(width=args.width)
@@ -57,30 +61,32 @@ def run(fusion: str, timeline: str | None, args, data) -> float:
                                    timeline=timeline)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     warm = 1 + args.profile_steps + 2
-    times = []
+    times, cpu = [], []
     for step in range(warm + args.steps):
         i = ((step * hvd.size() + hvd.rank()) * args.batch_size) % (len(x_tr) - args.batch_size)
         xb, yb = x_tr[i:i + args.batch_size], y_tr[i:i + args.batch_size]
         if step >= warm:
             hvd.allreduce(torch.zeros(1), name="bench.barrier")  # start timed steps together
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         opt.step()
         if step >= warm:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
     if opt.timeline:
         opt.timeline.close()
-    return hvd.allreduce(torch.tensor(float(np.median(times))), op=hvd.Max, name="bench.median").item()
+    medians = torch.tensor([float(np.median(times)), float(np.median(cpu))])
+    wall, cpu_s = hvd.allreduce(medians, op=hvd.Max, name="bench.median").tolist()
+    return wall, cpu_s
 
 
 def seconds_per_event(path: str, steps: int = 200, per_step: int = 250) -> float:
     """Host seconds the recorder spends per event: marking, recording, converting and writing."""
-    from digits import DigitsCNN
-    from horovod_safusion.timeline.recorder import COMPRESS
     model = DigitsCNN(width=8)
-    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
-                                   fusion=NaivePlanner(capacity_bytes=1), timeline=path)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(), fusion=NaivePlanner(capacity_bytes=1),
+                                   timeline=path)
     rec = opt.timeline
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -94,7 +100,6 @@ def seconds_per_event(path: str, steps: int = 200, per_step: int = 250) -> float
 
 
 def events_per_iteration(path: str) -> float:
-    from horovod_safusion.timeline.trace import load_events
     events = load_events(path)
     return sum(e["ph"] == "X" for e in events) / (1 + sum(e.get("name") == "ITERATION" for e in events))
 
@@ -136,18 +141,28 @@ def main() -> None:
     print(f"\nResNet-18 (width {args.width}), {hvd.size()} workers, batch {args.batch_size}/worker, "
           f"{args.compressor}@{args.density:g}, {args.reps} interleaved reps x {args.steps} timed steps")
     print(f"recorder cost: {1e6 * per_event:.2f} us per event (mark, record, convert, write; measured alone)")
-    print(f"{'fusion':<16} {'off ms':>8} {'on ms':>8} {'overhead':>9} {'events/it':>9} {'x cost':>8}   "
-          f"runs off / on (ms)")
     rows = []
     for fusion in fusions:
-        off, on = (np.array(measured[(fusion, m)]) * 1e3 for m in ("off", "on"))
-        over = float(np.median(on) / np.median(off) - 1)
-        n_events = events_per_iteration(files[fusion][0])
-        estimate = n_events * per_event * 1e3 / float(np.median(off))
-        rows.append({"fusion": fusion, "off_ms": off.tolist(), "on_ms": on.tolist(), "overhead": over,
-                     "events_per_iteration": n_events, "estimated_overhead": estimate})
-        print(f"{fusion:<16} {np.median(off):>8.2f} {np.median(on):>8.2f} {100 * over:>8.2f}% {n_events:>9.0f} "
-              f"{100 * estimate:>7.2f}%   {' '.join(f'{v:.1f}' for v in off)} / {' '.join(f'{v:.1f}' for v in on)}")
+        row = {"fusion": fusion, "events_per_iteration": events_per_iteration(files[fusion][0])}
+        for k, kind in enumerate(("wall", "cpu")):
+            off, on = (np.array([r[k] for r in measured[(fusion, m)]]) * 1e3 for m in ("off", "on"))
+            row[kind] = {"off_ms": off.tolist(), "on_ms": on.tolist(),
+                         "overhead": float(np.median(on) / np.median(off) - 1)}
+        wall_off = float(np.median(row["wall"]["off_ms"]))
+        row["estimated_overhead"] = row["events_per_iteration"] * per_event * 1e3 / wall_off
+        rows.append(row)
+    for kind, what in (("wall", "wall time per step"), ("cpu", "CPU time of the training thread per step")):
+        print(f"\n{what}: medians over repetitions (each the median of {args.steps} steps, slowest rank)")
+        print(f"{'fusion':<12} {'off ms':>8} {'on ms':>8} {'overhead':>9}   runs off / on (ms)")
+        for row in rows:
+            r = row[kind]
+            print(f"{row['fusion']:<12} {np.median(r['off_ms']):>8.2f} {np.median(r['on_ms']):>8.2f} "
+                  f"{100 * r['overhead']:>8.2f}%   {' '.join(f'{v:.0f}' for v in r['off_ms'])} / "
+                  f"{' '.join(f'{v:.0f}' for v in r['on_ms'])}")
+    print("\nestimate: events per iteration x cost per event / wall time off")
+    for row in rows:
+        print(f"{row['fusion']:<12} {row['events_per_iteration']:>6.0f} events "
+              f"{100 * row['estimated_overhead']:>6.2f}%")
 
     horovod_file = os.environ.get("HOROVOD_TIMELINE")
     runs = []

@@ -334,8 +334,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                   exact forward times). Default: ``$HOROVOD_SAFUSION_TIMELINE``, else off. Merge with
                   Horovod's Timeline by ``python -m horovod_safusion timeline merge``.
 
-    The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and ``timeline`` besides
-    Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
+    The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
+    ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
     """
     if gradient_predivide_factor != 1.0:
         if rocm_built():

@@ -71,7 +71,7 @@ class TimelineRecorder:
         flush_every: steps between writes to the file. Fewer writes cost less; a killed job loses
             at most this many steps.
 
-    Recording starts at the end of the first ``step()`` (the first iteration has no start).
+    The first step gets no ``ITERATION`` (and no ``FORWARD``/``BACKWARD``): it has no start.
     """
 
     def __init__(self, path: str, model: torch.nn.Module | None = None, flush_every: int = 50) -> None:
@@ -97,7 +97,8 @@ class TimelineRecorder:
         self._row = HOOKS
         self._prev_end: Any = None
         self._first_ready: Any = None
-        self._sync: tuple = ()
+        self._sync: tuple = ()           # (start mark, planner, profiling?, step) of synchronize()
+        self._sync_end: Any = None
         self._submitted: dict[int, Any] = {}
         self._file = None
 
@@ -151,7 +152,7 @@ class TimelineRecorder:
         return end
 
     def gradient_ready(self, tensor: str, start: Any) -> None:
-        """The hook of ``tensor`` ran from ``start`` (when back-propagation produced it) until now."""
+        """The hook of ``tensor`` ran from ``start`` (just after back-propagation produced it) until now."""
         if self._first_ready is None:
             self._first_ready = start
         self._events.append((GRADIENT_READY, HOOKS, start, self.clock.mark(), {"tensor": tensor}))

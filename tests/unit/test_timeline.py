@@ -30,8 +30,9 @@ def train(tmp_path, timeline, steps=STEPS, model=None, **kw):
     x, y, _, _ = data()
     torch.manual_seed(0)
     model = model or DigitsCNN(width=8)
-    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
-                                   density=0.05, timeline=timeline, fusion=NaivePlanner(capacity_bytes=4096), **kw)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), density=0.05, timeline=timeline,
+                                   fusion=NaivePlanner(capacity_bytes=4096), **kw)
     walls = []
     for s in range(steps):
         t0 = time.perf_counter()
