@@ -110,10 +110,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = self._generator.initial_plan(self._tensors)
         self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
                                       sparse_as_dense)
+        recorder = make_recorder(timeline)
         if self.process_set.included():
             check_plan_across_ranks(plan, self.process_set)
             self._register_hooks()
-            recorder = make_recorder(timeline)
             if recorder is not None:
                 self._controller.timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
 

@@ -42,7 +42,8 @@ _EVENT_PARTS = {R.COMPRESS: "compress", R.MEMCPY_IN: "copy in", R.SUBMIT: "submi
 
 @dataclass
 class Breakdown:
-    """Mean seconds per iteration of one run (one file)."""
+    """Mean seconds per iteration of one run (one file): the parts (they add up to ``iteration``),
+    the wall time with a collective in flight, collectives per iteration, and each rank's means."""
 
     label: str
     parts: dict[str, float]
@@ -52,11 +53,6 @@ class Breakdown:
     ranks: int
     buffers: float
     per_rank: list[dict] = field(default_factory=list)
-
-    @property
-    def accounted(self) -> float:
-        """Sum of the measured parts (all but ``other``)."""
-        return sum(v for k, v in self.parts.items() if k != "other")
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
