@@ -11,7 +11,9 @@ buffer per tensor (``NaivePlanner(capacity_bytes=1)``, WFBP's layer-wise communi
 name is passed to ``fusion=`` (e.g. ``safusion``, ``safusion-inter``, ``wfbp``). Each run warms up
 (and, for profiled planners, profiles and switches plans) before its timed steps.
 
-Printed: the median time per step (slowest rank) with the timeline off and on, and the overhead;
+Printed: the median time per step (slowest rank) with the timeline off and on, and the overhead,
+from separate runs and from alternating on/off blocks within one run per scheme (the recorder's
+``pause()``/``resume()``);
 the recorder's own cost per event, measured alone, times the events of an iteration ("x cost": an
 estimate of the overhead that machine noise does not blur); then the breakdown table of the last
 repetition's timelines (each merged with Horovod's Timeline when ``--timeline-filename`` was given;
@@ -81,6 +83,43 @@ def run(fusion: str, timeline: str | None, args, data) -> tuple[float, float]:
     return wall, cpu_s
 
 
+def alternating(fusion: str, path: str, args, data) -> dict:
+    """Per-step seconds with the recorder on and off in alternating blocks of one run (pattern
+    on, off, off, on, ...): the same process, model and plan, so slow drifts of a shared machine's
+    load fall on both alike. Returns the medians (the slowest rank's) of wall and thread CPU time."""
+    x_tr, y_tr = data
+    torch.manual_seed(args.seed)
+    model = resnet18(width=args.width)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compressor=args.compressor,
+                                   density=args.density, fusion=fusion_arg(fusion), profile_steps=args.profile_steps,
+                                   timeline=path)
+    rec = opt.timeline
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    warm = 1 + args.profile_steps + 2
+    samples = {True: ([], []), False: ([], [])}
+    for step in range(warm + args.blocks * args.block):
+        block = (step - warm) // args.block
+        on = step < warm or block % 4 in (0, 3)
+        if step >= warm and (step - warm) % args.block == 0:
+            rec.resume() if on else rec.pause()
+        i = ((step * hvd.size() + hvd.rank()) * args.batch_size) % (len(x_tr) - args.batch_size)
+        xb, yb = x_tr[i:i + args.batch_size], y_tr[i:i + args.batch_size]
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")
+        t0, c0 = time.perf_counter(), time.thread_time()
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        if step >= warm:
+            samples[on][0].append(time.perf_counter() - t0)
+            samples[on][1].append(time.thread_time() - c0)
+    rec.close()
+    medians = torch.tensor([float(np.median(v)) for on in (False, True) for v in samples[on]])
+    off_wall, off_cpu, on_wall, on_cpu = hvd.allreduce(medians, op=hvd.Max, name="bench.alt").tolist()
+    return {"fusion": fusion, "steps_each": len(samples[True][0]), "off_wall": off_wall, "on_wall": on_wall,
+            "off_cpu": off_cpu, "on_cpu": on_cpu}
+
+
 def seconds_per_event(path: str, steps: int = 200, per_step: int = 250) -> float:
     """Host seconds the recorder spends per event: marking, recording, converting and writing."""
     model = DigitsCNN(width=8)
@@ -114,6 +153,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32, help="ResNet-18 base width (64 is the standard)")
     ap.add_argument("--compressor", default="dgc")
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--blocks", type=int, default=16, help="alternating on/off blocks (a multiple of 4)")
+    ap.add_argument("--block", type=int, default=4, help="steps per block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_timeline")
     args = ap.parse_args()
@@ -134,6 +175,7 @@ def main() -> None:
                     if path:
                         files[fusion] = [path.replace(".json", f".rank{r}.json") for r in range(hvd.size())]
                     bar.update()
+    alt = [alternating(f, os.path.join(args.out, f"{f}.alternating.json"), args, (x_tr, y_tr)) for f in fusions]
     per_event = seconds_per_event(os.path.join(args.out, "cost.json"))
     if hvd.rank() != 0:
         return
@@ -159,6 +201,13 @@ def main() -> None:
             print(f"{row['fusion']:<12} {np.median(r['off_ms']):>8.2f} {np.median(r['on_ms']):>8.2f} "
                   f"{100 * r['overhead']:>8.2f}%   {' '.join(f'{v:.0f}' for v in r['off_ms'])} / "
                   f"{' '.join(f'{v:.0f}' for v in r['on_ms'])}")
+    print(f"\nalternating blocks of {args.block} steps in one run per fusion ({alt[0]['steps_each']} steps on and off "
+          f"each): median ms per step, slowest rank")
+    print(f"{'fusion':<12} {'wall off':>9} {'wall on':>9} {'overhead':>9} {'CPU off':>9} {'CPU on':>9} {'overhead':>9}")
+    for a in alt:
+        print(f"{a['fusion']:<12} {1e3 * a['off_wall']:>9.2f} {1e3 * a['on_wall']:>9.2f} "
+              f"{100 * (a['on_wall'] / a['off_wall'] - 1):>8.2f}% {1e3 * a['off_cpu']:>9.2f} {1e3 * a['on_cpu']:>9.2f} "
+              f"{100 * (a['on_cpu'] / a['off_cpu'] - 1):>8.2f}%")
     print("\nestimate: events per iteration x cost per event / wall time off")
     for row in rows:
         print(f"{row['fusion']:<12} {row['events_per_iteration']:>6.0f} events "
@@ -176,7 +225,7 @@ def main() -> None:
     plot(runs, os.path.join(args.out, "breakdown.png"),
          f"ResNet-18 w{args.width}, {args.compressor}@{args.density:g}, {hvd.size()} workers")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "seconds_per_event": per_event, "overhead": rows,
+        json.dump({"args": vars(args), "seconds_per_event": per_event, "overhead": rows, "alternating": alt,
                    "breakdown": [{"fusion": r.label, "parts_ms": {k: 1e3 * v for k, v in r.parts.items()},
                                   "iteration_ms": 1e3 * r.iteration, "collective_ms": 1e3 * r.collective,
                                   "buffers": r.buffers} for r in runs]}, f, indent=1)

@@ -141,6 +141,16 @@ class TimelineRecorder:
             self._forward_end = self._events[-1][3]
         self._forward_start = None
 
+    def pause(self) -> None:
+        """Stop recording between steps (the controller then pays nothing); :meth:`resume` goes on.
+
+        The step after ``resume()`` gets no ``ITERATION``, like the first step."""
+        self.controller.timeline = None
+        self._events, self._first_ready, self._sync, self._prev_end, self._forward_end = [], None, (), None, None
+
+    def resume(self) -> None:
+        self.controller.timeline = self
+
     # ---- called by the controller --------------------------------------------------------------
     def mark(self) -> Any:
         return self.clock.mark()

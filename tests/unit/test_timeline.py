@@ -219,3 +219,23 @@ def test_breakdown_cli_table_and_png(hvd, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fused, layerwise = (breakdown(f) for f in files)
     assert layerwise.buffers == 16 > fused.buffers  # DigitsCNN has 16 tensors
+
+
+def test_pause_records_nothing_and_resume_goes_on(hvd, tmp_path):
+    x, y, _, _ = data()
+    torch.manual_seed(0)
+    model = DigitsCNN(width=8)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), density=0.05,
+                                   fusion=NaivePlanner(capacity_bytes=4096), timeline=str(tmp_path / "p.json"))
+    rec = opt.timeline
+    for s in range(9):
+        if s in (3, 6):
+            rec.pause() if s == 3 else rec.resume()
+        opt.zero_grad()
+        F.cross_entropy(model(x[:32]), y[:32]).backward()
+        opt.step()
+    assert opt.timeline is rec
+    rec.close()
+    steps = sorted(e["args"]["step"] for e in load_events(rec.path) if e.get("name") == "ITERATION")
+    assert steps == [1, 2, 7, 8]  # steps 3-5 paused; 0 and 6 have no start
