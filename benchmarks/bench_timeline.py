@@ -57,10 +57,11 @@ def run(fusion: str, timeline: str | None, args, data) -> tuple[float, float]:
     x_tr, y_tr = data
     torch.manual_seed(args.seed)
     model = resnet18(width=args.width)
+    recorder = saf.TimelineRecorder(timeline, model=model) if timeline else None  # exact forward times
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters(), compressor=args.compressor,
                                    density=args.density, fusion=fusion_arg(fusion), profile_steps=args.profile_steps,
-                                   timeline=timeline)
+                                   timeline=recorder)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     warm = 1 + args.profile_steps + 2
     times, cpu = [], []
