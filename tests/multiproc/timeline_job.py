@@ -1,4 +1,4 @@
-"""Job for ``test_timeline.py``: a short real training run with the plugin's timeline on, launched
+"""Job for ``test_timeline_merge.py``: a short real training run with the plugin's timeline on, launched
 by ``horovodrun --timeline-filename`` so that Horovod writes its own Timeline beside it.
 
     horovodrun -np 2 -H localhost:2 --gloo --timeline-filename OUT/horovod.json \

@@ -1,6 +1,6 @@
 """Timeline: recording in a real one-worker Horovod job, robust reading, merging, the breakdown.
 
-The two-worker run under ``horovodrun --timeline-filename`` is in ``tests/multiproc/test_timeline.py``.
+The two-worker run under ``horovodrun --timeline-filename`` is in ``tests/multiproc/test_timeline_merge.py``.
 """
 import functools
 import json
