@@ -11,9 +11,10 @@ from .controller import StepStats
 from .generator import Planner, TensorInfo, available_planners, register_planner
 from .optimizer import DistributedOptimizer
 from .plan import FusionPlan
+from .timeline import TimelineRecorder
 
 __version__ = "0.1.0"
 
 __all__ = ["Communicator", "Compressor", "DistributedOptimizer", "FusionPlan", "Planner", "StepStats",
-           "TensorInfo", "available_communicators", "available_compressors", "available_planners",
+           "TensorInfo", "TimelineRecorder", "available_communicators", "available_compressors", "available_planners",
            "register_communicator", "register_compressor", "register_planner"]

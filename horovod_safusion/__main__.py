@@ -1,4 +1,4 @@
-"""Command line: ``python -m horovod_safusion {list,plan} ...``.
+"""Command line: ``python -m horovod_safusion {list,plan,timeline} ...``.
 
 * ``list`` — the registered compressors, fusion planners and communicators.
 * ``plan`` — the fusion plan of every planner side by side, with the pipeline simulator's
@@ -6,6 +6,9 @@
   spot in one process (``--model package.module:callable --input-shape C,H,W``). One process has no
   network, so ``--latency`` and ``--bandwidth`` replace the communication curve by an α–β model
   for what-if planning.
+* ``timeline merge`` — Horovod's Timeline and the plugin's per-rank timelines in one Chrome trace.
+* ``timeline breakdown`` — per-iteration means of forward, backward, compression, fusion copies,
+  collective time and NOCT per run (SAFusion §5 Experiment 3), as a table and a stacked-bar PNG.
 """
 from __future__ import annotations
 
@@ -94,6 +97,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timeline_merge(args: argparse.Namespace) -> int:
+    from .timeline.merge import merge
+    from .timeline.trace import write_trace
+    events, meta = merge(args.files)
+    write_trace(args.output, events, meta)
+    print(f"{len(events)} events from {len(args.files)} files written to {args.output} "
+          f"(Horovod timeline: {meta['horovod_timeline'] or 'none'})")
+    return 0
+
+
+def cmd_timeline_breakdown(args: argparse.Namespace) -> int:
+    from .timeline.breakdown import breakdown, plot, table
+    labels = args.labels.split(",") if args.labels else [None] * len(args.files)
+    if len(labels) != len(args.files):
+        raise SystemExit(f"--labels has {len(labels)} names for {len(args.files)} files")
+    runs = [breakdown(f, label, args.skip) for f, label in zip(args.files, labels)]
+    print(table(runs))
+    if args.png:
+        plot(runs, args.png, args.title)
+        print(f"stacked bars written to {args.png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .generator.naive import DEFAULT_CAPACITY_BYTES
     ap = argparse.ArgumentParser(prog="python -m horovod_safusion", description=__doc__,
@@ -117,8 +143,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-profile", help="write the profile used as JSON")
     p.add_argument("--json", help="write the safusion plan as JSON")
     p.set_defaults(fn=cmd_plan)
+    t = sub.add_parser("timeline", help="merge timelines; training-time breakdown").add_subparsers(
+        dest="timeline_cmd", required=True)
+    m = t.add_parser("merge", help="Horovod's Timeline + the plugin's per-rank files -> one Chrome trace")
+    m.add_argument("files", nargs="+", help="at most one Horovod timeline and the plugin's files (any order)")
+    m.add_argument("-o", "--output", required=True, help="merged Chrome-trace JSON (open in Perfetto)")
+    m.set_defaults(fn=cmd_timeline_merge)
+    b = t.add_parser("breakdown", help="per-iteration breakdown of each run (a merged or plugin file)")
+    b.add_argument("files", nargs="+", help="one file per run: merged, or a plugin timeline")
+    b.add_argument("--labels", help="comma-separated run names (default: file names)")
+    b.add_argument("--skip", type=int, default=1, help="first iterations left out (default 1; profiling "
+                                                         "iterations are always left out)")
+    b.add_argument("--png", help="write a stacked-bar chart here")
+    b.add_argument("--title", default="")
+    b.set_defaults(fn=cmd_timeline_breakdown)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValueError, OSError) as e:  # bad input files: the message names the file and what is accepted
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .compressors import Compressor
 from .plan import FusionPlan
 from .residual import ResidualStore
 from .segment import Segments
+from .timeline.recorder import COMPRESS, DECOMPRESS, MEMCPY_IN, MEMCPY_OUT
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Controller:
         self.steps = 0
         self.last_stats = StepStats()
         self.recorder = None  # a StepRecorder while the generator profiles this step
+        self.timeline = None  # a TimelineRecorder when the timeline is on (horovod_safusion.timeline)
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -140,12 +142,15 @@ class Controller:
         buf, slot = self._slot[id(p)]
         if slot in buf.filled:
             return
-        rec = self.recorder
+        rec, tl = self.recorder, self.timeline
         if rec:
             rec.gradient_ready(buf.names[slot])
+        t = tl.mark() if tl else None
         self._fill(buf, slot)
         if len(buf.filled) == len(buf.names):
             self._launch(buf)
+        if tl:
+            tl.gradient_ready(buf.names[slot], t)
         if rec:
             rec.hook_done()
 
@@ -163,6 +168,8 @@ class Controller:
         return g.reshape(-1)
 
     def _fill(self, buf: FusionBuffer, slot: int) -> None:
+        tl = self.timeline
+        t = tl.mark() if tl else None
         if buf.flat is None:
             buf.flat = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
         seg = buf.flat[buf.segment(slot)]
@@ -172,8 +179,12 @@ class Controller:
         else:
             torch.add(g, self.residuals.get(buf.names[slot], seg), out=seg)
         buf.filled.add(slot)
+        if tl:
+            tl.span(MEMCPY_IN, t, tensor=buf.names[slot])
 
     def _launch(self, buf: FusionBuffer) -> None:
+        tl = self.timeline
+        t = tl.mark() if tl else None
         values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
         if indices is None:
             for name in buf.names:
@@ -183,13 +194,19 @@ class Controller:
                 rest = buf.flat[buf.segment(slot)]
                 self.residuals.get(name, rest).copy_(rest)
         buf.indices = indices  # counted in synchronize(), not here in the gradient hook
+        if tl:
+            t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
                                               self.prescale, self.postscale)
+        if tl:
+            tl.submitted(buf.index, t)
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
         """Start what has not started, wait for every buffer, write the aggregated ``p.grad``."""
-        rec = self.recorder
+        rec, tl = self.recorder, self.timeline
+        if tl:
+            tl.synchronize_begins()
         for buf in self.buffers:  # same order on every rank
             if buf.pending is None:
                 for slot in range(len(buf.names)):
@@ -198,11 +215,16 @@ class Controller:
                 self._launch(buf)
         stats = StepStats(buffers=len(self.buffers))
         for buf in self.buffers:
+            t = tl.mark() if tl else None
             buf.pending.collect()  # waiting: communication
             t0 = rec.clock.mark() if rec else None
+            t = tl.collected(buf.index, t) if tl else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
+            t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
+            if tl:
+                tl.span(MEMCPY_OUT, t, buffer=buf.index)
             if rec:
                 rec.aggregated(t0, rec.clock.mark())
             stats.tensors += len(buf.names)
@@ -220,6 +242,8 @@ class Controller:
         self.last_stats = stats
         if rec:
             rec.synchronized()
+        if tl:
+            tl.synchronize_ends()
         return stats
 
     @staticmethod

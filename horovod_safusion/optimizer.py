@@ -35,6 +35,7 @@ from .controller import Controller, StepStats
 from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
 from .generator.online import OnlineGenerator
 from .plan import FusionPlan, check_plan_across_ranks
+from .timeline.recorder import TimelineRecorder, make_recorder
 
 DEFAULT_FUSION = "safusion"
 _SUPPORTED_OPS = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum"}
@@ -46,7 +47,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
-                 communicator="auto", fusion=None, profile_steps=10, replan_every=None):
+                 communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
 
@@ -109,9 +110,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = self._generator.initial_plan(self._tensors)
         self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
                                       sparse_as_dense)
+        recorder = make_recorder(timeline)
         if self.process_set.included():
             check_plan_across_ranks(plan, self.process_set)
             self._register_hooks()
+            if recorder is not None:
+                self._controller.timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
 
     # ---- SAFusion's view ---------------------------------------------------------------------
     @property
@@ -145,6 +149,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def planner(self) -> Planner:
         return self._planner
+
+    @property
+    def timeline(self) -> TimelineRecorder | None:
+        """This rank's timeline recorder (``None`` when off); ``timeline.close()`` finishes the file."""
+        return self._controller.timeline
 
     @property
     def last_stats(self) -> StepStats:
@@ -245,6 +254,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         loss = super(self.__class__, self).step(closure)
         if self._generator.active and self.process_set.included():
             self._generator.step_ends(self._controller, self._tensors, self.process_set)
+        if self._controller.timeline:
+            self._controller.timeline.step_ends()
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -298,7 +309,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          fusion: "str | Planner | None" = None,
                          communicator: "str | Communicator" = "auto",
                          profile_steps: int = 10,
-                         replan_every: int | None = None):
+                         replan_every: int | None = None,
+                         timeline: "str | TimelineRecorder | None" = None):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -327,9 +339,14 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                        iteration), for planners that need a profile. During them every
                        collective is waited for at once, so they do not overlap communication.
         replan_every: re-profile and re-plan every this many iterations (default: plan once).
+        timeline: record the plugin's phases as Chrome-trace events to this file (one per rank:
+                  ``saf.json`` → ``saf.rank0.json``; ``{rank}`` in the path is replaced instead),
+                  or a ``horovod_safusion.timeline.TimelineRecorder`` (e.g. given the model, for
+                  exact forward times). Default: ``$HOROVOD_SAFUSION_TIMELINE``, else off. Merge with
+                  Horovod's Timeline by ``python -m horovod_safusion timeline merge``.
 
-    The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats`` and ``residuals`` besides
-    Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
+    The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
+    ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
     """
     if gradient_predivide_factor != 1.0:
         if rocm_built():
@@ -363,4 +380,4 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set,
                compressor=compressor, density=density, communicator=communicator, fusion=fusion,
-               profile_steps=profile_steps, replan_every=replan_every)
+               profile_steps=profile_steps, replan_every=replan_every, timeline=timeline)

@@ -21,7 +21,6 @@ at the end of the step, so hooks never wait for the device to measure time).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
+from ..clock import Clock
 from ..plan import FusionPlan, check_plan_across_ranks
 from ..segment import Segments
 from .base import Planner, TensorInfo
@@ -36,26 +36,6 @@ from .costs import CostCurve
 from .profile import Profile
 
 SWEEP_POINTS = 12
-
-
-class Clock:
-    """Marks points in time without synchronising the host with the device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, a: Any, b: Any) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
 
 
 @dataclass
