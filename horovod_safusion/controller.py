@@ -33,6 +33,8 @@ class StepStats:
         missing: tensors of which no element was selected (SAFusion §2.4's tensor missing).
         selected: elements sent; ``elements``: elements in all buffers.
         bytes_sent: payload bytes this rank submitted to collectives.
+        bytes_received: payload bytes this rank received from other ranks (where the
+            communicator can tell; 0 for a dense allreduce).
         buffers: collectives started (one per fusion buffer).
     """
 
@@ -41,6 +43,7 @@ class StepStats:
     selected: int = 0
     elements: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
     buffers: int = 0
 
     @property
@@ -201,14 +204,21 @@ class Controller:
             buf.pending.collect()  # waiting: communication
             t0 = rec.clock.mark() if rec else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
+            leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
+                if leftover is not None:
+                    rest = leftover[buf.segment(slot)]
+                    self.residuals.get(buf.names[slot], rest).add_(rest)
             if rec:
                 rec.aggregated(t0, rec.clock.mark())
             stats.tensors += len(buf.names)
             stats.elements += buf.numel
             stats.bytes_sent += buf.pending.bytes_sent
-            if buf.indices is None:
+            stats.bytes_received += buf.pending.bytes_received or 0
+            if buf.pending.selected is not None:
+                stats.selected += buf.pending.selected
+            elif buf.indices is None:
                 stats.selected += buf.numel
             else:
                 counts = buf.tensors.counts(buf.indices)

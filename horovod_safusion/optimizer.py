@@ -111,6 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       sparse_as_dense)
         if self.process_set.included():
             check_plan_across_ranks(plan, self.process_set)
+            comm.setup(comp)  # may run collectives: every rank of the process set is here
             self._register_hooks()
 
     # ---- SAFusion's view ---------------------------------------------------------------------

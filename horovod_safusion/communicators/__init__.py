@@ -2,6 +2,7 @@
 from .allgather import Allgather
 from .allreduce import Allreduce
 from .base import Communicator, Pending, available_communicators, make_communicator, register_communicator
+from .spardl import SparDL
 
-__all__ = ["Allgather", "Allreduce", "Communicator", "Pending", "available_communicators",
+__all__ = ["Allgather", "Allreduce", "Communicator", "Pending", "SparDL", "available_communicators",
            "make_communicator", "register_communicator"]

@@ -1,0 +1,189 @@
+"""``spardl``: SparDL's Spar-Reduce-Scatter, global residual collection and Bruck all-gather.
+
+SparDL (VLDB; ``shared/papers/002``) §3.1 and Algorithm 1, for any worker count P:
+
+1. **Dividing.** The buffer is cut into P equal index blocks; worker w keeps block w in its
+   preservation bag B_0 and puts the next 2^0 blocks into B_1, the next 2^1 into B_2, ..., the
+   remaining E = P − 2^(l−1) blocks into B_l, with l = ⌈log2 P⌉ (blocks on a circle).
+2. **Transmission with sparsification** (non-recursive, Theorem 3.1). At step i = 1..l worker w
+   sends bag B_(l−i+1) to w + 2^(l−i) and receives the same bag from w − 2^(l−i); the received
+   blocks are a subset of the blocks it still holds (Theorem 3.1), so it adds them in (values of
+   equal indices add up) and, before the next step, keeps only the top-b values of each block it
+   is about to send (the "optimization for SRS": sparsify only the blocks sent next). After l steps
+   worker w holds only block w, which it also cuts to its top-b (Alg. 1 line 10).
+3. **Bruck all-gather** (§2, Figure 2b) of the final blocks: ⌈log2 P⌉ steps, at step t worker w
+   sends its first min(2^t, P − 2^t) collected blocks to w − 2^t and receives as many from w + 2^t.
+
+**Global residual collection** (§3.2): every value dropped by those selections — in-procedure
+and end-procedure residuals, which may come from other workers — is kept by the worker that
+dropped it (Alg. 1 line 8): the communicator hands it back through ``Pending.leftover`` and the
+controller adds it to that worker's *per-parameter* residuals. Local residuals (the compressor's
+unselected elements) stay where the controller keeps them. So across the job nothing is lost::
+
+    Σ_ranks residual_after + P · applied == Σ_ranks (gradient + residual_before)
+
+The per-block budget b is this worker's selected count spread over the blocks in proportion to
+their sizes (the paper's k/P for equal blocks and equal k; with threshold compressors the workers'
+counts differ, which the protocol does not need to agree on). At density 1 every budget is the
+whole block and the result is the dense sum. Received volume per worker: about 2k(P−1)/P rows
+([value | index], the paper's 4k(P−1)/P words, Eq. 3). The team variants R-SAG/B-SAG (§3.3) are
+not implemented.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import horovod.torch as hvd
+
+from .base import Communicator, Pending, register_communicator
+from .p2p import Exchange, RowCodec, send_to
+
+
+def srs_steps(size: int) -> list[tuple[int, int, int]]:
+    """Spar-Reduce-Scatter schedule: per step ``(distance, first, stop)`` — worker w sends the
+    blocks ``w + first .. w + stop − 1`` (mod P) to ``w + distance`` and keeps ``w .. w + first − 1``.
+
+    ``distance = first = 2^(l−i)`` and ``stop = min(2^(l−i+1), P)`` at step i (SparDL §3.1)."""
+    levels = math.ceil(math.log2(size)) if size > 1 else 0
+    return [(1 << (levels - i), 1 << (levels - i), min(1 << (levels - i + 1), size)) for i in range(1, levels + 1)]
+
+
+def bruck_steps(size: int) -> list[tuple[int, int]]:
+    """Bruck all-gather schedule: per step ``(distance, blocks)`` — worker w sends its first
+    ``blocks`` collected blocks to ``w − distance`` and receives as many from ``w + distance``."""
+    out, dist = [], 1
+    while dist < size:
+        out.append((dist, min(dist, size - dist)))
+        dist <<= 1
+    return out
+
+
+def block_bounds(numel: int, size: int) -> list[int]:
+    """P + 1 boundaries of P nearly equal index blocks of a flat buffer."""
+    return [j * numel // size for j in range(size + 1)]
+
+
+@register_communicator("spardl")
+class SparDL(Communicator):
+    """SparDL: Spar-Reduce-Scatter (any P) + Bruck all-gather, residuals kept globally."""
+
+    def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
+        return _SparDLRun(self, tag, values, indices, numel, op, prescale, postscale).pending
+
+
+class _SparDLRun:
+    """One buffer's SparDL synchronisation: step 1 starts here, the rest runs in ``collect``."""
+
+    def __init__(self, comm: SparDL, tag, values, indices, numel, op, prescale, postscale) -> None:
+        ps = comm.process_set
+        self.ps, self.tag, self.numel = ps, tag, numel
+        self.size, self.me = ps.size(), ps.rank()
+        self.dtype, self.device = values.dtype, values.device
+        self.codec = RowCodec(self.dtype, comm.compression)
+        self.prescale = prescale
+        self.scale = postscale / (self.size if op == hvd.Average else 1)
+        if indices is None:
+            indices = torch.arange(numel, device=self.device)
+        # The held blocks, densely: accumulated values and which indices are present.
+        self.acc = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        self.acc[indices] = values * prescale if prescale != 1.0 else values
+        self.present = torch.zeros(numel, dtype=torch.bool, device=self.device)
+        self.present[indices] = True
+        self.dropped = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        self.bounds = block_bounds(numel, self.size)
+        count = indices.numel()
+        self.budget = [min(hi - lo, math.ceil(count * (hi - lo) / numel)) if numel else 0
+                       for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
+        self.steps = srs_steps(self.size)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._exchange = self._send_step(0) if self.steps else None
+        self.pending = Pending(self._collect, self._decode, self.bytes_sent)
+
+    # ---- Spar-Reduce-Scatter ------------------------------------------------------------------
+    def _block(self, rel: int) -> int:
+        return (self.me + rel) % self.size
+
+    def _sparsify(self, block: int) -> None:
+        """Keep the top-``budget`` present values of ``block``; the rest is dropped (residual)."""
+        lo, hi = self.bounds[block], self.bounds[block + 1]
+        held = torch.nonzero(self.present[lo:hi]).squeeze(1) + lo
+        b = self.budget[block]
+        if held.numel() <= b:
+            return
+        keep = torch.topk(self.acc[held].abs(), b, sorted=False).indices
+        drop = torch.ones(held.numel(), dtype=torch.bool, device=self.device)
+        drop[keep] = False
+        gone = held[drop]
+        self.dropped[gone] += self.acc[gone]
+        self.acc[gone] = 0
+        self.present[gone] = False
+
+    def _take(self, blocks: list[int]) -> torch.Tensor:
+        """Rows of the present values of ``blocks``, which leave this worker."""
+        idx = torch.cat([torch.nonzero(self.present[self.bounds[j]:self.bounds[j + 1]]).squeeze(1) + self.bounds[j]
+                         for j in blocks]) if blocks else torch.zeros(0, dtype=torch.int64, device=self.device)
+        rows = self.codec.encode(self.acc[idx], idx)
+        self.acc[idx] = 0
+        self.present[idx] = False
+        return rows
+
+    def _send_step(self, i: int) -> Exchange:
+        dist, first, stop = self.steps[i]
+        blocks = [self._block(rel) for rel in range(first, stop)]
+        for j in blocks:  # sparsify only the blocks sent next (SparDL §3.1, "Optimization for SRS")
+            self._sparsify(j)
+        parts = send_to(self._take(blocks), (self.me + dist) % self.size, self.size, self.codec.empty(self.device))
+        ex = Exchange(parts, f"saf.spardl.{self.tag}.srs{i}", self.ps)
+        self.bytes_sent += ex.bytes_sent
+        return ex
+
+    def _receive(self, ex: Exchange) -> list[torch.Tensor]:
+        got = ex.wait()
+        self.bytes_received += ex.bytes_received
+        return got
+
+    def _collect(self) -> list[torch.Tensor]:
+        for i in range(len(self.steps)):
+            if i > 0:
+                self._exchange = self._send_step(i)
+            values, indices = self.codec.decode(torch.cat(self._receive(self._exchange)))
+            self.acc.index_add_(0, indices, values)  # equal indices add up
+            self.present[indices] = True
+        self._sparsify(self.me)  # end of procedure: the preserved block (Alg. 1 line 10)
+        return self._bruck(self._take([self.me]))
+
+    # ---- Bruck all-gather ---------------------------------------------------------------------
+    def _bruck(self, own: torch.Tensor) -> list[torch.Tensor]:
+        collected = [own]  # blocks me, me + 1, ... in order
+        for t, (dist, blocks) in enumerate(bruck_steps(self.size)):
+            rows = torch.cat(collected[:blocks])
+            parts = send_to(rows, (self.me - dist) % self.size, self.size, self.codec.empty(self.device))
+            ex = Exchange(parts, f"saf.spardl.{self.tag}.bruck{t}", self.ps)
+            self.bytes_sent += ex.bytes_sent
+            got = self._receive(ex)[(self.me + dist) % self.size]
+            collected.extend(self._split_blocks(got, (self.me + dist) % self.size, blocks))
+        return collected
+
+    def _split_blocks(self, rows: torch.Tensor, first: int, blocks: int) -> list[torch.Tensor]:
+        """Rows of ``blocks`` consecutive blocks starting at ``first`` → one row tensor per block."""
+        _, indices = self.codec.decode(rows)
+        owner = torch.bucketize(indices, torch.tensor(self.bounds[1:], device=self.device), right=True)
+        rel = (owner - first) % self.size
+        order = torch.argsort(rel, stable=True)
+        counts = torch.bincount(rel, minlength=blocks)[:blocks].tolist()
+        return list(torch.split(rows[order], counts))
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        values, indices = self.codec.decode(torch.cat(blocks))
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out.index_add_(0, indices, values)
+        if self.scale != 1.0:
+            out.mul_(self.scale)
+        p = self.pending
+        p.bytes_sent, p.bytes_received = self.bytes_sent, self.bytes_received
+        if bool(self.dropped.any()):
+            p.leftover = self.dropped / self.prescale if self.prescale != 1.0 else self.dropped
+        return out
