@@ -186,8 +186,9 @@ class Controller:
                 rest = buf.flat[buf.segment(slot)]
                 self.residuals.get(name, rest).copy_(rest)
         buf.indices = indices  # counted in synchronize(), not here in the gradient hook
+        extra = {"residual": buf.flat if indices is not None else None} if self.communicator.wants_residual else {}
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
-                                              self.prescale, self.postscale)
+                                              self.prescale, self.postscale, **extra)
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:

@@ -2,7 +2,8 @@
 from .allgather import Allgather
 from .allreduce import Allreduce
 from .base import Communicator, Pending, available_communicators, make_communicator, register_communicator
+from .exdyna import ExDynaCommunicator
 from .spardl import SparDL
 
-__all__ = ["Allgather", "Allreduce", "Communicator", "Pending", "SparDL", "available_communicators",
+__all__ = ["Allgather", "Allreduce", "Communicator", "ExDynaCommunicator", "Pending", "SparDL", "available_communicators",
            "make_communicator", "register_communicator"]

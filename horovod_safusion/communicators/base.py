@@ -75,6 +75,9 @@ class Communicator(ABC):
 
     name: ClassVar[str] = "?"
     dense: ClassVar[bool] = False
+    #: ``start()`` also receives ``residual=``: the buffer's unselected rest (this rank's new
+    #: residual, ``None`` when everything was selected), read-only, valid until ``wait()`` returns.
+    wants_residual: ClassVar[bool] = False
 
     def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
