@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -25,11 +26,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
+from horovod_safusion.communicators import Zen  # noqa: E402
 from horovod_safusion.generator import NaivePlanner  # noqa: E402
 
 DATA = None
-COMMS = ["spardl", "exdyna", "zen"]
-SPARSE = {"spardl": "topk", "zen": "topk", "exdyna": "exdyna"}  # the compressor each is tested with
+COMMS = ["spardl", "exdyna", "zen-bp", "zen-hc", "zen-collide"]
+FACTORIES = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdyna": lambda: "exdyna", "zen": lambda: "zen",
+             "zen-bp": lambda: Zen(scheme="bp"), "zen-hc": lambda: Zen(scheme="hc"),
+             # one parallel slot per partition, one rehash: nearly every index collides
+             "zen-collide": lambda: Zen(scheme="bp", hash_slots=1, rehash=1)}
+
+
+def comm_args(label: str) -> dict:
+    """``communicator=`` and the compressor each communicator is tested with."""
+    return {"communicator": FACTORIES[label](), "compressor": "exdyna" if label == "exdyna" else "topk"}
 
 
 def batch(step: int, n: int = 32):
@@ -56,8 +66,8 @@ def scenario_density_one():
         ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1),
                                        named_parameters=ref_m.named_parameters())
         ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1),
-                                        named_parameters=our_m.named_parameters(), compressor=SPARSE[comm],
-                                        density=1.0, communicator=comm, fusion=NaivePlanner(capacity_bytes=8192))
+                                        named_parameters=our_m.named_parameters(), density=1.0,
+                                        fusion=NaivePlanner(capacity_bytes=8192), **comm_args(comm))
         worst = 0.0
         for step in range(2):
             x, y = batch(step)
@@ -92,8 +102,7 @@ def scenario_conservation():
         torch.manual_seed(0)
         m = Branchy()
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
-                                       compressor=SPARSE[comm], density=0.05, communicator=comm,
-                                       fusion=NaivePlanner(capacity_bytes=16384))
+                                       density=0.05, fusion=NaivePlanner(capacity_bytes=16384), **comm_args(comm))
         named = list(m.named_parameters())
         worst, scale, leftover = 0.0, 0.0, 0.0
         for step in range(4):
@@ -116,18 +125,19 @@ def scenario_conservation():
             with opt.skip_synchronize():
                 opt.step()
         out[comm] = {"conservation_diff": worst, "scale": scale, "density": opt.last_stats.density,
-                     "bytes_received": opt.last_stats.bytes_received}
+                     "bytes_received": opt.last_stats.bytes_received,
+                     "serial": sum(h.get("serial", 0) for h in getattr(opt.communicator, "history", []))}
     return out
 
 
 def scenario_training():
     """``fusion="safusion"`` end to end: a short run learns and the replicas stay identical."""
     out = {}
-    for comm in COMMS:
+    for comm in TRAINED:
         m = make(width=16)
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                       named_parameters=m.named_parameters(), compressor=SPARSE[comm],
-                                       density=0.05, communicator=comm, fusion="safusion", profile_steps=3)
+                                       named_parameters=m.named_parameters(), density=0.1, fusion="safusion",
+                                       profile_steps=3, **comm_args(comm))
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         for step in range(60):
             opt.zero_grad()
@@ -137,12 +147,16 @@ def scenario_training():
         _, _, x_te, y_te = DATA
         same = hvd.allgather_object([p.detach().numpy() for p in m.parameters()], name=f"train.{comm}")
         out[comm] = {"acc": accuracy(m, x_te, y_te), "planner": opt.plan.planner,
+                     "zen_choice": sorted(set(getattr(opt.communicator, "choice", {}).values())),
                      "replicas_equal": all(np.array_equal(a, b) for r in same[1:] for a, b in zip(same[0], r))}
     return out
 
 
+TRAINED = ["spardl", "exdyna", "zen"]
+
+
 def main():
-    global DATA, COMMS
+    global DATA, COMMS, TRAINED
     hvd.init()
     torch.set_num_threads(1)
     DATA = load_digits_split()
@@ -150,11 +164,13 @@ def main():
     names = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else \
         [n[len("scenario_"):] for n in globals() if n.startswith("scenario_")]
     if len(sys.argv) > 3:
-        COMMS = sys.argv[3].split(",")
-    results = {"size": hvd.size(), "rank": hvd.rank()}
+        COMMS = TRAINED = sys.argv[3].split(",")
+    results = {"size": hvd.size(), "rank": hvd.rank(), "seconds": {}}
     for name in names:
         try:
+            t0 = time.perf_counter()
             results[name] = globals()[f"scenario_{name}"]()
+            results["seconds"][name] = time.perf_counter() - t0
         except Exception:  # record, so pytest shows which scenario failed and why
             results[name] = {"exception": traceback.format_exc()}
             raise
