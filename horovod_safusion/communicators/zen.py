@@ -222,7 +222,7 @@ class _HierarchicalCentralization(_Run):
     def _absorb(self, ex: Exchange) -> int:
         got = ex.wait()
         self.bytes_received += ex.bytes_received
-        values, indices = self.codec.decode(torch.cat([g for r, g in enumerate(got) if r != self.me]))
+        values, indices = self.codec.decode(torch.cat(got))  # nothing is ever sent to oneself
         self.acc.index_add_(0, indices, values)
         self.acc[indices] = self.codec.round(self.acc[indices])  # what travels next, on both sides
         self.present[indices] = True
