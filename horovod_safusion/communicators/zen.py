@@ -80,17 +80,17 @@ class Zen(Communicator):
             self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name="saf.zen.seed",
                                              process_set=self.process_set)
 
-    def scheme_for(self, tag: str) -> str:
-        """The scheme buffer ``tag`` uses at its next step."""
+    def scheme_for(self, key: str) -> str:
+        """The scheme the buffer ``key`` (``"tag:numel"``, so a new plan measures anew) uses next."""
         if self.scheme != "auto":
             return self.scheme
-        return self.choice.get(tag, "hc")
+        return self.choice.get(key, "hc")
 
     def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
         if self.seed is None:
             raise RuntimeError("the zen communicator has no hash seed: DistributedOptimizer calls setup(); "
                                "pass seed= when driving a Controller yourself")
-        run = (_BalancedParallelism if self.scheme_for(tag) == "bp" else _HierarchicalCentralization)
+        run = (_BalancedParallelism if self.scheme_for(f"{tag}:{numel}") == "bp" else _HierarchicalCentralization)
         return run(self, tag, values, indices, numel, op, prescale, postscale).pending
 
     # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class Zen(Communicator):
         if len(self._measured[tag]) < self.profile_steps:
             return
         total = hvd.allreduce(torch.from_numpy(np.sum(self._measured.pop(tag), axis=0)), op=hvd.Sum,
-                              name=f"saf.zen.{tag}.gamma", process_set=self.process_set).numpy()
+                              name=f"saf.zen.gamma.{tag}", process_set=self.process_set).numpy()
         self.gamma_stats[tag] = total[1:] / total[0]
         self.choice[tag] = choose_scheme(self.process_set.size(), total[1:] / total[0])
 
@@ -250,5 +250,5 @@ class _HierarchicalCentralization(_Run):
         self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
                                   "union": union, "stages": list(self.received)})
         out = self._finish(self.acc.clone())
-        self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0)
+        self.comm.measured(f"{self.tag}:{self.numel}", stats, 1.0 if self.me < self.pow2 else 0.0)
         return out

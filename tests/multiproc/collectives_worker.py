@@ -26,20 +26,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.communicators import Zen  # noqa: E402
+from horovod_safusion.communicators import SparDL, Zen  # noqa: E402
 from horovod_safusion.generator import NaivePlanner  # noqa: E402
 
 DATA = None
-COMMS = ["spardl", "exdyna", "zen-bp", "zen-hc", "zen-collide"]
+COMMS = ["spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide"]
 FACTORIES = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdyna": lambda: "exdyna", "zen": lambda: "zen",
              "zen-bp": lambda: Zen(scheme="bp"), "zen-hc": lambda: Zen(scheme="hc"),
              # one parallel slot per partition, one rehash: nearly every index collides
-             "zen-collide": lambda: Zen(scheme="bp", hash_slots=1, rehash=1)}
+             "zen-collide": lambda: Zen(scheme="bp", hash_slots=1, rehash=1),
+             # SparDL §3.3: 2 teams use R-SAG (2 workers: teams of 1; 4 workers: teams of 2), 3 teams B-SAG
+             "spardl-teams": lambda: SparDL(teams=3 if hvd.size() == 3 else 2)}
 
 
-def comm_args(label: str) -> dict:
-    """``communicator=`` and the compressor each communicator is tested with."""
-    return {"communicator": FACTORIES[label](), "compressor": "exdyna" if label == "exdyna" else "topk"}
+def comm_args(label: str, compressor: str = "topk") -> dict:
+    """``communicator=`` and its compressor (``exdyna`` always goes with ``exdyna``)."""
+    return {"communicator": FACTORIES[label](), "compressor": "exdyna" if label == "exdyna" else compressor}
 
 
 def batch(step: int, n: int = 32):
@@ -96,15 +98,17 @@ class Branchy(nn.Module):
 
 
 def scenario_conservation():
-    """density 0.05: Σ_ranks residual_after + P·applied == Σ_ranks (gradient + residual_before)."""
+    """density 0.05: Σ_ranks residual_after + P·applied == Σ_ranks (gradient + residual_before), with
+    threshold compressors (each rank selects its own count) and a parameter only rank 0 uses."""
     out = {}
     for comm in COMMS:
         torch.manual_seed(0)
         m = Branchy()
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
-                                       density=0.05, fusion=NaivePlanner(capacity_bytes=16384), **comm_args(comm))
+                                       density=0.05, fusion=NaivePlanner(capacity_bytes=16384),
+                                       **comm_args(comm, "dgc"))  # a threshold: counts differ by rank
         named = list(m.named_parameters())
-        worst, scale, leftover = 0.0, 0.0, 0.0
+        worst, scale, same = 0.0, 0.0, True
         for step in range(4):
             before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
             opt.zero_grad()
@@ -114,8 +118,10 @@ def scenario_conservation():
                    for (_, p), r in zip(named, before)]
             opt.synchronize()
             after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
-            everyone = hvd.allgather_object(([a.double().numpy() for a in acc], [a.double().numpy() for a in after]),
-                                            name=f"cons.{comm}")
+            applied_all = [p.grad.detach().view(-1).double().numpy() for _, p in named]
+            everyone = hvd.allgather_object(([a.double().numpy() for a in acc], [a.double().numpy() for a in after],
+                                             applied_all), name=f"cons.{comm}")
+            same = same and all(np.array_equal(a, b) for r in everyone[1:] for a, b in zip(everyone[0][2], r[2]))
             for i, (_, p) in enumerate(named):
                 applied = p.grad.detach().view(-1).double().numpy()
                 lhs = sum(r[1][i] for r in everyone) + hvd.size() * applied
@@ -124,7 +130,7 @@ def scenario_conservation():
                 scale = max(scale, float(np.abs(rhs).max()))
             with opt.skip_synchronize():
                 opt.step()
-        out[comm] = {"conservation_diff": worst, "scale": scale, "density": opt.last_stats.density,
+        out[comm] = {"conservation_diff": worst, "scale": scale, "density": opt.last_stats.density, "same_update": same,
                      "bytes_received": opt.last_stats.bytes_received,
                      "serial": sum(h.get("serial", 0) for h in getattr(opt.communicator, "history", []))}
     return out

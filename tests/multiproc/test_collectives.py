@@ -63,7 +63,7 @@ def per_rank(job, scenario):
 
 def test_density_one_gives_the_dense_average(job):
     for rec in per_rank(job, "density_one"):
-        assert set(rec) == {"spardl", "exdyna", "zen-bp", "zen-hc", "zen-collide"}
+        assert set(rec) == {"spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide"}
         for comm, r in rec.items():
             assert r["buffers"] > 1, comm
             assert r["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), (comm, r)
@@ -75,6 +75,7 @@ def test_conservation_across_the_job(job):
     for rec in per_rank(job, "conservation"):
         for comm, r in rec.items():
             assert r["conservation_diff"] <= 1e-6 * max(1.0, r["scale"]), (comm, r)
+            assert r["same_update"], (comm, r)  # every rank applies the identical aggregate
             assert r["bytes_received"] > 0, (comm, r)
             assert 0.02 < r["density"] < 0.1, (comm, r)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from horovod_safusion.communicators.exdyna import Partitions, allocation
-from horovod_safusion.communicators.spardl import block_bounds, bruck_steps, srs_steps
+from horovod_safusion.communicators.spardl import BSAGStep, SparDL, block_bounds, bruck_steps, srs_steps
 from horovod_safusion.communicators.zen import Zen, choose_scheme
 from horovod_safusion.communicators.zen_hash import (bitmap_decode, bitmap_encode, hash_family,
                                                      hierarchical_hash, owned_sets)
@@ -133,7 +133,25 @@ def test_choice_by_equations_one_and_two():
     assert choose_scheme(4, np.array([100.0, 100.0, 100.0, 100.0])) == "bp"
 
 
+def test_bsag_h_moves_towards_L_and_stays_in_its_range():
+    """SparDL Algorithm 2: h grows while B-SAG delivers fewer than L, shrinks when more."""
+    st = BSAGStep(k=1000, d=3, P=6)  # h in [k/P, dk/P] = [166.7, 500], L = 500
+    hs = [st.h]
+    for _ in range(8):
+        st.update(n_t=300)  # too few after B-SAG: h goes up, faster and faster
+        hs.append(st.h)
+    assert all(b >= a for a, b in zip(hs, hs[1:])) and hs[-1] > hs[1] + 20
+    top = st.h
+    st.update(n_t=900)  # too many: the step turns and halves
+    assert st.h < top
+    for _ in range(50):
+        st.update(n_t=10**6)
+    assert st.h == pytest.approx(1000 / 6)  # clamped at k/P
+
+
 def test_bad_options_name_the_value_and_the_accepted_ones(hvd):
+    with pytest.raises(ValueError, match=r"teams=4 must divide the worker count 6; accepted: \[1, 2, 3, 6\]"):
+        SparDL(teams=4)._check(6)
     with pytest.raises(ValueError, match=r"unknown ZEN scheme 'ring'; known schemes: auto, bp, hc"):
         Zen(scheme="ring")
     with pytest.raises(ValueError, match="hash_slots must be a positive integer"):
