@@ -163,28 +163,28 @@ class _SparDLRun:
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
     # ---- Spar-Reduce-Scatter ------------------------------------------------------------------
-    def _block(self, rel: int) -> int:
-        return (self.me + rel) % self.size
-
-    def _sparsify(self, block: int) -> None:
-        """Keep the top-``budget`` present values of ``block``; the rest is dropped (residual)."""
+    def _held(self, block: int) -> torch.Tensor:
+        """Indices of the values this worker holds in ``block``."""
         lo, hi = self.bounds[block], self.bounds[block + 1]
-        held = torch.nonzero(self.present[lo:hi]).squeeze(1) + lo
-        b = self.budget[block]
-        if held.numel() <= b:
+        return torch.nonzero(self.present[lo:hi]).squeeze(1) + lo
+
+    def _keep_top(self, block: int, budget: int, share: float = 1.0) -> None:
+        """Keep the top-``budget`` held values of ``block``; of the dropped ones this worker keeps
+        ``share`` as its residual (1 unless other workers dropped the very same values)."""
+        held = self._held(block)
+        if held.numel() <= budget:
             return
-        keep = torch.topk(self.acc[held].abs(), b, sorted=False).indices
+        keep = torch.topk(self.acc[held].abs(), budget, sorted=False).indices
         drop = torch.ones(held.numel(), dtype=torch.bool, device=self.device)
         drop[keep] = False
         gone = held[drop]
-        self.dropped[gone] += self.acc[gone]
+        self.dropped[gone] += self.acc[gone] * share if share != 1.0 else self.acc[gone]
         self.acc[gone] = 0
         self.present[gone] = False
 
     def _take(self, blocks: list[int]) -> torch.Tensor:
-        """Rows of the present values of ``blocks``, which leave this worker."""
-        idx = torch.cat([torch.nonzero(self.present[self.bounds[j]:self.bounds[j + 1]]).squeeze(1) + self.bounds[j]
-                         for j in blocks]) if blocks else torch.zeros(0, dtype=torch.int64, device=self.device)
+        """Rows of the held values of ``blocks``, which leave this worker."""
+        idx = torch.cat([self._held(j) for j in blocks]) if blocks else torch.zeros(0, dtype=torch.int64, device=self.device)
         rows = self.codec.encode(self.acc[idx], idx)
         self.acc[idx] = 0
         self.present[idx] = False
@@ -192,9 +192,9 @@ class _SparDLRun:
 
     def _send_step(self, i: int) -> Exchange:
         dist, first, stop = self.steps[i]
-        blocks = [self._block(rel) for rel in range(first, stop)]
+        blocks = [(self.me + rel) % self.size for rel in range(first, stop)]
         for j in blocks:  # sparsify only the blocks sent next (SparDL §3.1, "Optimization for SRS")
-            self._sparsify(j)
+            self._keep_top(j, self.budget[j])
         parts = send_to(self._take(blocks), self.team_ranks[(self.me + dist) % self.size], self.world,
                         self.codec.empty(self.device))
         ex = Exchange(parts, f"saf.spardl.{self.tag}.srs{i}", self.ps)
@@ -213,29 +213,12 @@ class _SparDLRun:
             values, indices = self.codec.decode(torch.cat(self._receive(self._exchange)))
             self.acc.index_add_(0, indices, values)  # equal indices add up
             self.present[indices] = True
-        self._sparsify(self.me)  # end of procedure: the preserved block (Alg. 1 line 10)
+        self._keep_top(self.me, self.budget[self.me])  # end of procedure: the preserved block (Alg. 1 l. 10)
         if self.d > 1:
             (self._recursive_sag if self.d & (self.d - 1) == 0 else self._bruck_sag)()
         return self._bruck(self._take([self.me]))
 
     # ---- Spar-All-Gather between teams (§3.3) -------------------------------------------------
-    def _held(self) -> torch.Tensor:
-        lo, hi = self.bounds[self.me], self.bounds[self.me + 1]
-        return torch.nonzero(self.present[lo:hi]).squeeze(1) + lo
-
-    def _keep_top(self, budget: int, share: float) -> None:
-        """Top-``budget`` of the held block; this worker keeps ``share`` of what is dropped."""
-        held = self._held()
-        if held.numel() <= budget:
-            return
-        keep = torch.topk(self.acc[held].abs(), budget, sorted=False).indices
-        drop = torch.ones(held.numel(), dtype=torch.bool, device=self.device)
-        drop[keep] = False
-        gone = held[drop]
-        self.dropped[gone] += self.acc[gone] * share
-        self.acc[gone] = 0
-        self.present[gone] = False
-
     def _frame(self, blocks: list[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
         """Rows of blocks of the *same* index range, each after two header rows whose indices are
         ``-1 - count`` and ``-1 - budget``: the blocks must stay apart (B-SAG adds them in team
@@ -258,7 +241,7 @@ class _SparDLRun:
 
     def _own_block(self, budget: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The held block as it travels (wire-rounded values), taken out of the accumulator."""
-        held = self._held()
+        held = self._held(self.me)
         values = self.codec.round(self.acc[held])
         self.acc[held] = 0
         self.present[held] = False
@@ -285,7 +268,7 @@ class _SparDLRun:
             mine = self._own_block(budget)
             theirs = self._cross(self._frame([mine]), partner, partner, f"rsag{dist}")
             budget = self._add([mine, *theirs])
-            self._keep_top(budget, 1.0 / (1 << stage))  # 2^stage workers dropped the same values
+            self._keep_top(self.me, budget, 1.0 / (1 << stage))  # 2^stage workers dropped the same values
             dist, stage = dist << 1, stage + 1
 
     def _bruck_sag(self) -> None:
@@ -295,7 +278,7 @@ class _SparDLRun:
         if state is None:
             state = self.comm.h_state[key] = BSAGStep(self.count, self.d, self.world)
         if not self.dense:  # a dense block has nothing to bound: B-SAG's top-h would only drop
-            self._keep_top(math.ceil(state.h), 1.0)  # a local selection: its residual stays here
+            self._keep_top(self.me, math.ceil(state.h))  # a local selection: its residual stays here
         blocks = {self.team: self._own_block(self.budget[self.me])}
         collected = [self.team]
         for t, (dist, count) in enumerate(bruck_steps(self.d)):
@@ -307,8 +290,8 @@ class _SparDLRun:
                 blocks[j] = blk
                 collected.append(j)
         budget = self._add([blocks[j] for j in range(self.d)])  # team order: identical sums everywhere
-        n_t = int(self._held().numel())
-        self._keep_top(budget, 1.0 / self.d)  # d workers dropped the same values
+        n_t = int(self._held(self.me).numel())
+        self._keep_top(self.me, budget, 1.0 / self.d)  # d workers dropped the same values
         state.update(n_t)
 
     # ---- Bruck all-gather ---------------------------------------------------------------------
