@@ -34,6 +34,8 @@ class StepStats:
         missing: tensors of which no element was selected (SAFusion §2.4's tensor missing).
         selected: elements sent; ``elements``: elements in all buffers.
         bytes_sent: payload bytes this rank submitted to collectives.
+        bytes_received: payload bytes this rank received from other ranks (where the
+            communicator can tell; 0 for a dense allreduce).
         buffers: collectives started (one per fusion buffer).
     """
 
@@ -42,6 +44,7 @@ class StepStats:
     selected: int = 0
     elements: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
     buffers: int = 0
 
     @property
@@ -196,8 +199,9 @@ class Controller:
         buf.indices = indices  # counted in synchronize(), not here in the gradient hook
         if tl:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
+        extra = {"residual": buf.flat if indices is not None else None} if self.communicator.wants_residual else {}
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
-                                              self.prescale, self.postscale)
+                                              self.prescale, self.postscale, **extra)
         if tl:
             tl.submitted(buf.index, t)
 
@@ -221,8 +225,12 @@ class Controller:
             t = tl.collected(buf.index, t) if tl else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
             t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
+            leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
+                if leftover is not None:
+                    rest = leftover[buf.segment(slot)]
+                    self.residuals.get(buf.names[slot], rest).add_(rest)
             if tl:
                 tl.span(MEMCPY_OUT, t, buffer=buf.index)
             if rec:
@@ -230,7 +238,10 @@ class Controller:
             stats.tensors += len(buf.names)
             stats.elements += buf.numel
             stats.bytes_sent += buf.pending.bytes_sent
-            if buf.indices is None:
+            stats.bytes_received += buf.pending.bytes_received or 0
+            if buf.pending.selected is not None:
+                stats.selected += buf.pending.selected
+            elif buf.indices is None:
                 stats.selected += buf.numel
             else:
                 counts = buf.tensors.counts(buf.indices)

@@ -113,6 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         recorder = make_recorder(timeline)
         if self.process_set.included():
             check_plan_across_ranks(plan, self.process_set)
+            comm.setup(comp)  # may run collectives: every rank of the process set is here
             self._register_hooks()
             if recorder is not None:
                 self._controller.timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())

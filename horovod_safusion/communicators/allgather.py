@@ -30,8 +30,9 @@ class Allgather(Communicator):
         handle = hvd.allgather_async(rows, name=f"saf.ag.{tag}", process_set=self.process_set)
         scale = postscale / (self.process_set.size() if op == hvd.Average else 1)
 
-        def decode(rows: torch.Tensor) -> torch.Tensor:
-            got_values, got_indices = wire.unpack(rows, sent.dtype)
+        def decode(gathered: torch.Tensor) -> torch.Tensor:
+            pending.bytes_received = gathered.numel() - rows.numel()  # the other ranks' rows
+            got_values, got_indices = wire.unpack(gathered, sent.dtype)
             got_values = self.compression.decompress(got_values, ctx).to(dtype)
             out = torch.zeros(numel, dtype=dtype, device=device)
             out.index_add_(0, got_indices, got_values)
@@ -39,4 +40,5 @@ class Allgather(Communicator):
                 out.mul_(scale)
             return out
 
-        return Pending(lambda: hvd.synchronize(handle), decode, rows.numel())
+        pending = Pending(lambda: hvd.synchronize(handle), decode, rows.numel())
+        return pending

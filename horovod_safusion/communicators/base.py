@@ -24,6 +24,24 @@ class Pending:
     into the reduced dense flat buffer (unpacking, ``index_add_``, scaling). The controller times
     them apart: waiting is communication, decoding is computation. ``wait()`` does both; every
     phase runs once and later calls return the same result.
+
+    Multi-round protocols (SparDL, ZEN, ExDyna) launch their first round when the buffer starts
+    and run the later rounds inside ``collect()``, which the controller calls in buffer order on
+    every rank, so every rank submits the same collectives in the same order.
+
+    Attributes set by the protocol while it runs (read by the controller after ``wait()``):
+        bytes_sent: payload bytes this rank submitted.
+        bytes_received: payload bytes this rank received from *other* ranks (``None`` where the
+            collective hides it, e.g. a dense allreduce).
+        selected: elements this rank's contribution carried, where it differs from what the
+            compressor selected (ExDyna sends the union of all ranks' exclusive selections).
+        leftover: a dense flat tensor (``numel`` elements, this rank, unscaled) of values the
+            protocol did *not* deliver although the controller counted them as sent — SparDL's
+            in-procedure and end-procedure residuals, ExDyna's non-exclusive selections — or
+            negative corrections for values it delivered from the residual (ExDyna's
+            all-reduce of every rank's accumulator at the gathered indices). The controller adds
+            it into the per-parameter residuals, so error feedback loses nothing and checkpoints
+            stay complete. ``None``: nothing to hand back.
     """
 
     def __init__(self, collect: Callable[[], Any], decode: Callable[[Any], torch.Tensor], bytes_sent: int) -> None:
@@ -31,6 +49,9 @@ class Pending:
         self._raw: Any = None
         self._result: torch.Tensor | None = None
         self.bytes_sent = bytes_sent
+        self.bytes_received: int | None = None
+        self.selected: int | None = None
+        self.leftover: torch.Tensor | None = None
 
     def collect(self) -> Any:
         if self._raw is None:
@@ -54,6 +75,9 @@ class Communicator(ABC):
 
     name: ClassVar[str] = "?"
     dense: ClassVar[bool] = False
+    #: ``start()`` also receives ``residual=``: the buffer's unselected rest (this rank's new
+    #: residual, ``None`` when everything was selected), read-only, valid until ``wait()`` returns.
+    wants_residual: ClassVar[bool] = False
 
     def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -78,6 +102,11 @@ class Communicator(ABC):
             op: ``hvd.Average`` or ``hvd.Sum``.
             prescale, postscale: Horovod's scale factors (``gradient_predivide_factor``).
         """
+
+    def setup(self, compressor: Any) -> None:
+        """Called once on every rank of the process set when the optimizer is built, after the
+        fusion plan was checked across ranks: a communicator may run collectives here (ZEN
+        broadcasts its hash seeds) or check that it can work with ``compressor``. Default: nothing."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

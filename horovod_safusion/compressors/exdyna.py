@@ -21,7 +21,9 @@ mini-batch to the next far faster than a 5 % step per iteration can follow — o
 actual density then swings by an order of magnitude around the target — while its shape, which is
 what δ has to learn, changes slowly. ``relative=False`` is the paper's absolute threshold.
 ExDyna's block partitioning and partition allocation (Algorithms 2–4) belong to the ``exdyna``
-communicator.
+communicator. Paired with it (:meth:`ExDyna.scaled_globally`), the compressor stops scaling from
+its own count: ExDyna's k′ is the number selected by *all* workers in their exclusive partitions
+(Alg. 1 lines 11–15), which only the communicator sees; it calls :meth:`ExDyna.scale` with it.
 """
 from __future__ import annotations
 
@@ -55,6 +57,22 @@ class ExDyna(ThresholdCompressor):
             raise ValueError(f"gamma must satisfy 0 < gamma < 1, got {gamma!r}")
         self.beta, self.gamma, self.relative = float(beta), float(gamma), bool(relative)
         self._threshold: dict[str, float] = {}  # δ per segment (relative to mean|x| if relative)
+        self._global = False
+        self.last_selection: tuple[tuple[str, ...], int] | None = None
+
+    def scaled_globally(self) -> None:
+        """Leave Algorithm 5 to the ``exdyna`` communicator, which knows the job's k′: after each
+        selection, :attr:`last_selection` holds ``(names of its live segments, target k)``."""
+        self._global = True
+
+    def scale(self, names: tuple[str, ...], selected: int, target: int) -> None:
+        """Algorithm 5 with ``exam = selected / target`` on the thresholds of ``names``."""
+        sf = self._factor(selected / max(1, target))
+        for n in names:
+            self._threshold[n] *= sf
+
+    def _factor(self, exam: float) -> float:
+        return 1 + self.gamma if exam > self.beta else 1 + self.gamma / 4 if exam > 1 / self.beta else 1 - self.gamma
 
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
         unit = view.means().clamp(min=torch.finfo(torch.float64).tiny) if self.relative else None
@@ -69,8 +87,11 @@ class ExDyna(ThresholdCompressor):
 
     def refine(self, view, thresholds, counts, step):
         live = view.max > 0  # an all-zero segment says nothing about its threshold
-        exam = float(counts[live].sum()) / max(1.0, float(view.k[live].sum()))  # k'/k, Alg. 1 line 14
-        sf = 1 + self.gamma if exam > self.beta else 1 + self.gamma / 4 if exam > 1 / self.beta else 1 - self.gamma
+        if self._global:
+            names = tuple(n for n, alive in zip(view.segments.names, live.tolist()) if alive)
+            self.last_selection = (names, int(view.k[live].sum()))
+            return
+        sf = self._factor(float(counts[live].sum()) / max(1.0, float(view.k[live].sum())))  # k'/k, Alg. 1 l. 14
         delta = thresholds.to(torch.float64) / self._unit if self.relative else thresholds.to(torch.float64)
         nxt = torch.where(live, delta * sf, delta)
         self._threshold.update(zip(view.segments.names, nxt.tolist()))

@@ -1,0 +1,254 @@
+"""``zen``: ZEN's Balanced Parallelism and Hierarchical Centralization, chosen by Eqs. (1)–(2).
+
+ZEN (OSDI'25; ``shared/papers/001``):
+
+* **Balanced Parallelism** (Definition 6, §3): *push* — every worker splits its selected
+  (value, index) pairs by the shared hash h0 with lossless hierarchical hashing (Algorithm 1,
+  :mod:`.zen_hash`) and sends partition i to worker i in one ``hvd.alltoall`` with splits; the
+  owner aggregates (values of equal indices add up). *Pull* — every owner announces its aggregated
+  values with a hash bitmap over its index set 𝕀_i (Algorithm 2) in one ``hvd.allgather``; every
+  worker decodes 𝕀_i[bits] and writes the values. Both steps are balanced because h0 is universal
+  (Theorem 2; imbalance ratios, Definition 8, are kept in :attr:`Zen.history`).
+* **Hierarchical Centralization** (Definition 7): recursive doubling over the whole sparse tensor
+  with aggregation at every stage; a worker count that is not a power of two first folds the extra
+  workers into the first ones and sends them the result at the end.
+* **Automatic choice** (§2.3, Theorem 1): for its first ``profile_steps`` steps a buffer runs
+  Hierarchical Centralization and measures, per stage, the size of the aggregated union it
+  receives (the densification ratios γ^(2^(i−1))) and the final union (γ^n). The measurements are
+  averaged over workers with one small allreduce, so every worker takes the same decision:
+  Balanced Parallelism if Eq. (1) ``(n−1)/n · (γ^n + 1)`` is at most Eq. (2)'s measured
+  ``Σ_i γ^(2^(i−1))`` (the stage volumes HC actually received, in units of one worker's selection).
+
+The hash seeds are drawn on rank 0 and broadcast in :meth:`Zen.setup` (ZEN §4). Indices travel as
+int32 bits; a server's bitmap marks the indices it *received* (not the nonzero sums), so an exact
+zero sum is delivered as the zero it is.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from .base import Communicator, Pending, register_communicator
+from .p2p import Exchange, RowCodec, send_to
+from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
+
+SCHEMES = ("auto", "bp", "hc")
+
+
+@register_communicator("zen")
+class Zen(Communicator):
+    """ZEN's sparse synchronisation.
+
+    Args:
+        scheme: ``"auto"`` (measure, then choose by Eqs. (1)–(2)), ``"bp"`` (Balanced Parallelism)
+            or ``"hc"`` (Hierarchical Centralization).
+        profile_steps: steps of measurement per buffer before ``"auto"`` decides.
+        rehash: k, rehash functions before the serial area (the paper uses 3).
+        memory: parallel slots r1 per partition in units of the partition's expected load
+            (the paper's r1 = 2·|G|·d_G; the serial area r2 = r1 / 10).
+        hash_slots: a fixed r1 instead (tests force collisions with a tiny one).
+        seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
+    """
+
+    def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
+                 profile_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
+                 seed: int | None = None) -> None:
+        super().__init__(process_set, compression)
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown ZEN scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}")
+        if not isinstance(profile_steps, int) or profile_steps < 1:
+            raise ValueError(f"profile_steps must be a positive integer, got {profile_steps!r}")
+        if not isinstance(rehash, int) or rehash < 0:
+            raise ValueError(f"rehash must be a non-negative integer, got {rehash!r}")
+        if memory <= 0:
+            raise ValueError(f"memory must be > 0, got {memory!r}")
+        if hash_slots is not None and (not isinstance(hash_slots, int) or hash_slots < 1):
+            raise ValueError(f"hash_slots must be a positive integer or None, got {hash_slots!r}")
+        self.scheme, self.profile_steps, self.rehash = scheme, profile_steps, rehash
+        self.memory, self.hash_slots, self.seed = float(memory), hash_slots, seed
+        self.choice: dict[str, str] = {}  # per buffer tag, once decided
+        self.gamma_stats: dict[str, np.ndarray] = {}  # the worker-averaged measurements behind it
+        self._measured: dict[str, list[np.ndarray]] = {}
+        self.history: list[dict] = []
+
+    def setup(self, compressor) -> None:
+        if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all
+            self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name="saf.zen.seed",
+                                             process_set=self.process_set)
+
+    def scheme_for(self, key: str) -> str:
+        """The scheme the buffer ``key`` (``"tag:numel"``, so a new plan measures anew) uses next."""
+        if self.scheme != "auto":
+            return self.scheme
+        return self.choice.get(key, "hc")
+
+    def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
+        if self.seed is None:
+            raise RuntimeError("the zen communicator has no hash seed: DistributedOptimizer calls setup(); "
+                               "pass seed= when driving a Controller yourself")
+        run = (_BalancedParallelism if self.scheme_for(f"{tag}:{numel}") == "bp" else _HierarchicalCentralization)
+        return run(self, tag, values, indices, numel, op, prescale, postscale).pending
+
+    # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
+    def measured(self, tag: str, stats: np.ndarray, weight: float) -> None:
+        """HC's per-worker measurements ``[|I_w|, received per stage..., |I|]`` of one step (weight 0
+        for workers folded out of the recursive doubling); after ``profile_steps`` steps, decide
+        (a collective: called in buffer order on every worker)."""
+        if self.scheme != "auto" or tag in self.choice:
+            return
+        self._measured.setdefault(tag, []).append(np.concatenate([[weight], weight * stats]))
+        if len(self._measured[tag]) < self.profile_steps:
+            return
+        total = hvd.allreduce(torch.from_numpy(np.sum(self._measured.pop(tag), axis=0)), op=hvd.Sum,
+                              name=f"saf.zen.gamma.{tag}", process_set=self.process_set).numpy()
+        self.gamma_stats[tag] = total[1:] / total[0]
+        self.choice[tag] = choose_scheme(self.process_set.size(), total[1:] / total[0])
+
+
+def choose_scheme(workers: int, stats: np.ndarray) -> str:
+    """``"bp"`` if Eq. (1) ≤ Eq. (2) for worker-averaged ``[|I_w|, received per HC stage..., |I|]``."""
+    local, stages, union = stats[0], stats[1:-1], stats[-1]
+    if local <= 0:
+        return "bp"
+    t_bp = (workers - 1) / workers * (union / local + 1)  # Eq. (1) / (2 M d_G / b)
+    t_hc = float(np.sum(stages)) / local                   # Eq. (2): Σ_i γ^(2^(i−1))
+    return "bp" if t_bp <= t_hc else "hc"
+
+
+class _Run:
+    """Common state of one buffer's synchronisation."""
+
+    def __init__(self, comm: Zen, tag, values, indices, numel, op, prescale, postscale) -> None:
+        ps = comm.process_set
+        self.comm, self.ps, self.tag, self.numel = comm, ps, tag, numel
+        self.size, self.me = ps.size(), ps.rank()
+        self.dtype, self.device = values.dtype, values.device
+        self.codec = RowCodec(self.dtype, comm.compression)
+        self.scale = postscale / (self.size if op == hvd.Average else 1)
+        self.indices = torch.arange(numel, device=self.device) if indices is None else indices
+        self.values = values * prescale if prescale != 1.0 else values
+        self.bytes_sent = self.bytes_received = 0
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            out.mul_(self.scale)
+        self.pending.bytes_sent, self.pending.bytes_received = self.bytes_sent, self.bytes_received
+        return out
+
+
+class _BalancedParallelism(_Run):
+    """Push by h0 with hierarchical hashing (alltoall), aggregate, pull with hash bitmaps (allgather)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        comm, n = self.comm, self.size
+        self.h0 = h0 = hash_family(comm.seed, 1, n)[0]
+        load = max(1, math.ceil(self.indices.numel() / n))
+        r1 = comm.hash_slots or max(1, math.ceil(comm.memory * load))
+        hashed = hierarchical_hash(self.indices, h0, hash_family(comm.seed + 1, comm.rehash, r1), r1, max(1, r1 // 10))
+        self.serial, self.overflow = sum(hashed.serial), hashed.overflow
+        parts = [self.codec.encode(self.values[pos], self.indices[pos]) for pos in hashed.positions]
+        self.push_counts = [int(pos.numel()) for pos in hashed.positions]
+        self.push = Exchange(parts, f"saf.zen.{self.tag}.push", self.ps)
+        self.bytes_sent += self.push.bytes_sent
+        self.pending = Pending(self._collect, self._decode, self.bytes_sent)
+
+    def _collect(self):
+        got = self.push.wait()
+        self.bytes_received += self.push.bytes_received
+        sets, where = owned_sets(self.numel, self.h0.a, self.h0.b, self.size, str(self.device))
+        mine = sets[self.me]
+        values, indices = self.codec.decode(torch.cat(got))
+        local = torch.zeros(mine.numel(), dtype=self.dtype, device=self.device)
+        local.index_add_(0, where[indices], values)  # aggregation on the owner
+        touched = torch.zeros(mine.numel(), dtype=torch.bool, device=self.device)
+        touched[where[indices]] = True
+        sent, _ = self.comm.compression.compress(local[touched])
+        payload = torch.cat([bitmap_encode(touched), sent.contiguous().view(torch.uint8)])
+        gathered = hvd.allgather(payload, name=f"saf.zen.{self.tag}.pull", process_set=self.ps)
+        self.bytes_sent += payload.numel()
+        self.bytes_received += gathered.numel() - payload.numel()
+        return gathered, sets, sent.dtype
+
+    def _decode(self, raw) -> torch.Tensor:
+        gathered, sets, wire_dtype = raw
+        esize = torch.empty(0, dtype=wire_dtype).element_size()
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        offset, pulled = 0, []
+        for owned in sets:  # rank order: [bitmap | values] per owner
+            nbytes = (owned.numel() + 7) // 8
+            bits = bitmap_decode(gathered[offset:offset + nbytes], owned.numel())
+            offset += nbytes
+            idx = owned[bits]
+            raw_values = gathered[offset:offset + idx.numel() * esize].clone().view(wire_dtype)
+            offset += idx.numel() * esize
+            out.index_add_(0, idx, self.comm.compression.decompress(raw_values, self.dtype).to(self.dtype))
+            pulled.append(idx.numel())
+        n, local, union = self.size, max(1, self.indices.numel()), max(1, sum(pulled))
+        self.comm.history.append({"tag": self.tag, "scheme": "bp", "push_imbalance": n * max(self.push_counts) / local,
+                                  "pull_imbalance": n * max(pulled) / union, "serial": self.serial,
+                                  "overflow": self.overflow, "selected": self.indices.numel(), "union": sum(pulled)})
+        return self._finish(out)
+
+
+class _HierarchicalCentralization(_Run):
+    """Recursive doubling with aggregation at every stage (folding workers beyond a power of two)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        n = self.size
+        self.pow2 = 1 << (n.bit_length() - 1)
+        self.acc = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.acc.index_add_(0, self.indices, self.codec.round(self.values))
+        self.present = torch.zeros(self.numel, dtype=torch.bool, device=self.device)
+        self.present[self.indices] = True
+        self.received: list[int] = []
+        # stage 0: fold the workers beyond the largest power of two into the first ones
+        dest = self.me - self.pow2 if self.me >= self.pow2 else self.me
+        self.exchange = self._send(dest, "fold")
+        self.pending = Pending(self._collect, self._decode, self.bytes_sent)
+
+    def _send(self, dest: int, label: str) -> Exchange:
+        idx = torch.nonzero(self.present).squeeze(1) if dest != self.me else torch.zeros(0, dtype=torch.int64)
+        rows = self.codec.encode(self.acc[idx], idx)
+        ex = Exchange(send_to(rows, dest, self.size, self.codec.empty(self.device)), f"saf.zen.{self.tag}.{label}", self.ps)
+        self.bytes_sent += ex.bytes_sent
+        return ex
+
+    def _absorb(self, ex: Exchange) -> int:
+        got = ex.wait()
+        self.bytes_received += ex.bytes_received
+        values, indices = self.codec.decode(torch.cat(got))  # nothing is ever sent to oneself
+        self.acc.index_add_(0, indices, values)
+        self.acc[indices] = self.codec.round(self.acc[indices])  # what travels next, on both sides
+        self.present[indices] = True
+        return indices.numel()
+
+    def _collect(self):
+        self._absorb(self.exchange)
+        active = self.me < self.pow2
+        dist = 1
+        while dist < self.pow2:  # recursive doubling among the first pow2 workers
+            partner = self.me ^ dist if active else self.me
+            self.received.append(self._absorb(self._send(partner, f"rd{dist}")))
+            dist <<= 1
+        extra = self.me + self.pow2 if self.me + self.pow2 < self.size else self.me
+        unfold = self._send(extra if active else self.me, "unfold")
+        if not active:  # take the result as it is: the same sums as everywhere else
+            self.acc.zero_()
+            self.present.zero_()
+        self._absorb(unfold)
+        return self.acc
+
+    def _decode(self, _raw) -> torch.Tensor:
+        union = int(self.present.sum())
+        stats = np.array([self.indices.numel(), *self.received, union], dtype=np.float64)
+        self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
+                                  "union": union, "stages": list(self.received)})
+        out = self._finish(self.acc.clone())
+        self.comm.measured(f"{self.tag}:{self.numel}", stats, 1.0 if self.me < self.pow2 else 0.0)
+        return out
