@@ -123,8 +123,9 @@ def test_generator_builds_identical_plans_from_different_local_timings(job):
         assert r["shared_backward"] >= r["local_backward"]  # the element-wise max over ranks
         assert r["switched_at"] == 2
         assert r["switch_param_diff"] <= (0.0 if job[0]["size"] == 2 else 1e-6)
-    # rank 1 sleeps 10 ms in backward, rank 0 does not: they measured differently
-    assert recs[1]["local_backward"] > recs[0]["local_backward"] + 0.005
+    # rank 1 sleeps 50 ms in backward, rank 0 does not: they measured differently (with a margin
+    # that survives a loaded machine)
+    assert recs[1]["local_backward"] > recs[0]["local_backward"] + 0.025
 
 
 def test_randomk_selects_the_same_indices_on_every_rank(job):
