@@ -6,7 +6,9 @@ A CIFAR-style ResNet-18 (62 parameter tensors) trains on scikit-learn's digits w
 at every iteration every compressor, at every density, in both orders — ``ahead`` (one segment per
 tensor, SAFusion §3.1) and ``behind`` (one segment per fusion buffer, §2.4) — selects from the same
 gradients on the same four aligned fusion buffers, each configuration with its own error-feedback
-residuals. After ``--warmup`` iterations it records the actual density (the fraction of elements
+residuals, in an order shuffled anew every iteration (whichever runs first after back-propagation
+pays for cold caches and fresh memory: run first every time, a configuration measured up to 40 %
+slower). After ``--warmup`` iterations it records the actual density (the fraction of elements
 selected), the fraction of tensors with a nonzero gradient but no selected element ("missing",
 §2.4), and the selection time per iteration. It prints a table, draws a PNG, and writes each
 compressor's cost curve (seconds against dense bytes, plus the per-segment cost) as JSON in the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -47,7 +50,8 @@ class Config:
         self.residual = [torch.zeros(sum(b.sizes)) for b in buffers]
         self.density_log, self.missing_log, self.seconds_log = [], [], []
         # What the compressor promises: k = max(1, round(density * n)) per segment.
-        segs = buffers if order == "ahead" else [Segments(("all",), (b.numel,)) for b in buffers]
+        self.whole = [Segments((f"buffer{b}",), (s.numel,)) for b, s in enumerate(buffers)]
+        segs = buffers if order == "ahead" else self.whole
         self.promised = sum(int(s.k(density).sum()) for s in segs) / sum(b.numel for b in buffers)
 
     def step(self, step, grads, buffers, record):
@@ -55,7 +59,7 @@ class Config:
         elapsed = 0.0
         for b, (tensor_segs, grad) in enumerate(zip(buffers, grads)):
             acc = grad + self.residual[b]
-            segs = tensor_segs if self.order == "ahead" else Segments((f"buffer{b}",), (acc.numel(),))
+            segs = tensor_segs if self.order == "ahead" else self.whole[b]
             t0 = time.perf_counter()
             _, indices = sparsify(self.compressor, acc, segs, step)
             elapsed += time.perf_counter() - t0
@@ -101,7 +105,7 @@ def main() -> None:
         F.cross_entropy(model(x[i:i + args.batch_size]), y[i:i + args.batch_size]).backward()
         opt.step()
         grads = [torch.cat([params[n].grad.reshape(-1) for n in b]) for b in plan.buffers]
-        for cfg in configs:
+        for cfg in random.Random(it).sample(configs, len(configs)):
             cfg.step(it, grads, buffers, record=it >= args.warmup)
 
     rows = report(configs, args)

@@ -13,9 +13,6 @@ from functools import cached_property
 import torch
 
 
-SMALL_SEGMENT = 4096  # segments up to this size are selected in one batch (launch cost dominates)
-
-
 @dataclass(frozen=True)
 class Segments:
     """Consecutive segments ``[offsets[s], offsets[s] + sizes[s])`` of a flat buffer.
@@ -52,25 +49,19 @@ class Segments:
         """Offsets as an int64 tensor on the buffer's device."""
         return torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
 
-    @cached_property
-    def small(self) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-        """Segments of at most :data:`SMALL_SEGMENT` elements, handled in one batch by selections:
-        ``(small ids, large ids, element positions of the small ones, their segment ids)``."""
-        small = [s for s, n in enumerate(self.sizes) if n <= SMALL_SEGMENT]
-        large = [s for s, n in enumerate(self.sizes) if n > SMALL_SEGMENT]
-        if len(small) < 2:  # a batch of one buys nothing
-            small, large = [], list(range(len(self.sizes)))
-        pos = [torch.arange(self.offsets[s], self.offsets[s] + self.sizes[s]) for s in small]
-        seg = [torch.full((self.sizes[s],), s) for s in small]
-        cat = (lambda xs: torch.cat(xs).to(self.device)) if small else (lambda xs: torch.empty(0, dtype=torch.int64))
-        return small, large, cat(pos), cat(seg)
-
     def k(self, density: float) -> torch.Tensor:
         """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
         cache = self.__dict__.setdefault("_k", {})
         if density not in cache:
             sizes = torch.tensor(self.sizes, dtype=torch.float64)
             cache[density] = torch.clamp(torch.round(sizes * density), min=1).to(torch.int64)
+        return cache[density]
+
+    def k_list(self, density: float) -> list[int]:
+        """:meth:`k` as a list of Python ints (for per-segment bookkeeping)."""
+        cache = self.__dict__.setdefault("_k_list", {})
+        if density not in cache:
+            cache[density] = self.k(density).tolist()
         return cache[density]
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .base import register_compressor
@@ -46,12 +47,15 @@ class DGC(PeriodicThreshold):
         self.min_samples = int(min_samples)
         self._gen = torch.Generator().manual_seed(seed)
 
-    def estimate(self, seg: torch.Tensor, k: int, attempt: int = 0) -> float:
-        """The ``(1 − density)`` quantile of a random sample of ``seg`` (magnitudes), the sample
-        doubled per ``attempt``; exact below ``min_samples`` elements."""
-        n = seg.numel()
-        samples = min(n, max(math.ceil(self.sample_rate * n), self.min_samples) << attempt)
+    max_effort = 6  # a sample up to 64 times larger
+
+    def estimate(self, seg, k: int, effort: int = 0) -> float:
+        """The ``(1 − density)`` quantile of a random sample of ``seg`` (magnitudes, a NumPy array
+        or a tensor), the sample doubled per ``effort``; exact below ``min_samples`` elements."""
+        n = len(seg)
+        samples = min(n, max(math.ceil(self.sample_rate * n), self.min_samples) << effort)
         if samples >= n:
-            return float(kth_largest(seg, k))
-        idx = torch.randint(n, (samples,), generator=self._gen).to(seg.device)
-        return float(kth_largest(seg[idx], math.ceil(self.density * samples)))
+            return kth_largest(seg, k)
+        idx = torch.randint(n, (samples,), generator=self._gen)
+        sample = seg[idx.numpy()] if isinstance(seg, np.ndarray) else seg[idx.to(seg.device)]
+        return kth_largest(sample, math.ceil(self.density * samples))

@@ -79,7 +79,7 @@ class ExDyna(ThresholdCompressor):
         self._unit = unit
         for s, name in enumerate(view.segments.names):
             if name not in self._threshold:  # δ_0
-                first = float(kth_largest(view.part(s), int(view.k[s])))
+                first = kth_largest(view.magnitudes(s), int(view.k[s]))
                 self._threshold[name] = first / float(unit[s]) if self.relative else first
         delta = torch.tensor([self._threshold[n] for n in view.segments.names], dtype=torch.float64,
                              device=view.abs.device)

@@ -40,13 +40,14 @@ class GaussianK(ThresholdCompressor):
         return (mu.abs() + sigma * self._z).to(view.abs.dtype)
 
     def refine(self, view, thresholds, counts, step):
-        thr = thresholds.clone()
-        k = view.k
+        # Bookkeeping on Python numbers: tiny-tensor operations would cost more than the selection.
+        thr, k, live = thresholds.tolist(), view.segments.k_list(self.density), (view.max > 0).tolist()
         for _ in range(self.refine_passes):
-            many, few = 3 * counts > 4 * k, 3 * counts < 2 * k
-            off = torch.nonzero((many | few) & (view.max > 0)).flatten().tolist()
+            c = counts.tolist()
+            off = [s for s in range(len(c)) if live[s] and not 2 * k[s] <= 3 * c[s] <= 4 * k[s]]
             if not off:
                 break
-            thr = torch.where(many, thr * self.step_up, torch.where(few, thr * self.step_down, thr))
-            view.apply(thr, off)
+            for s in off:
+                thr[s] *= self.step_up if 3 * c[s] > 4 * k[s] else self.step_down
+            view.apply(torch.tensor(thr, dtype=thresholds.dtype, device=thresholds.device), off)
             counts = view.counts()

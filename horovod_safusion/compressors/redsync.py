@@ -29,23 +29,26 @@ class RedSync(ThresholdCompressor):
 
     def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
         self._mean = view.means().to(view.max.dtype)
-        r = torch.tensor([self._ratio.get(n, 0.5) for n in view.segments.names], dtype=view.max.dtype,
-                         device=view.max.device)
-        self._r = r
+        self._r = [self._ratio.get(n, 0.5) for n in view.segments.names]
+        r = torch.tensor(self._r, dtype=view.max.dtype, device=view.max.device)
         return self._mean + r * (view.max - self._mean)
 
     def refine(self, view, thresholds, counts, step):
-        r = self._r
-        lo, hi = torch.zeros_like(r), torch.ones_like(r)
-        k = view.k
+        # Bookkeeping on Python numbers: tiny-tensor operations would cost more than the selection.
+        r, k, live = self._r, view.segments.k_list(self.density), (view.max > 0).tolist()
+        lo, hi = [0.0] * len(r), [1.0] * len(r)
         for _ in range(self.iterations):
-            many, few = counts > 2 * k, counts < k
-            off = torch.nonzero((many | few) & (view.max > 0)).flatten().tolist()
+            c = counts.tolist()
+            off = [s for s in range(len(c)) if live[s] and not k[s] <= c[s] <= 2 * k[s]]
             if not off:
                 break
-            lo = torch.where(many, r, lo)   # too many: raise the threshold
-            hi = torch.where(few, r, hi)    # too few: lower it
-            r = torch.where(many | few, (lo + hi) / 2, r)
-            view.apply(self._mean + r * (view.max - self._mean), off)
+            for s in off:
+                if c[s] > 2 * k[s]:
+                    lo[s] = r[s]  # too many: raise the threshold
+                else:
+                    hi[s] = r[s]  # too few: lower it
+                r[s] = (lo[s] + hi[s]) / 2
+            ratio = torch.tensor(r, dtype=view.max.dtype, device=view.max.device)
+            view.apply(self._mean + ratio * (view.max - self._mean), off)
             counts = view.counts()
-        self._ratio.update(zip(view.segments.names, r.tolist()))
+        self._ratio.update(zip(view.segments.names, r))

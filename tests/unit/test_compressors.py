@@ -228,3 +228,44 @@ def test_topk_batched_path_equals_per_segment_topk():
     for off, n, k in zip(s.offsets, s.sizes, s.k(0.02).tolist()):
         expect |= {i + off for i in torch.topk(flat[off:off + n].abs(), k).indices.tolist()}
     assert idx == expect
+
+
+@pytest.mark.parametrize("name", ["dgc", "exdyna", "gaussiank", "redsync", "sidco"])
+def test_threshold_selection_is_the_same_in_numpy_and_in_torch(name, monkeypatch):
+    """CPU selections run in NumPy; other devices take the PyTorch operations (``_TorchOps``),
+    exercised here on CPU: both must select the same elements, step after step (with residuals
+    carried as the controller carries them, so refinements and reused thresholds are exercised)."""
+    from horovod_safusion.compressors import threshold
+
+    def run(numpy: bool):
+        monkeypatch.setattr(threshold._NumpyOps, "DTYPES", threshold._NumpyOps.DTYPES if numpy else ())
+        c = make_compressor(name, 0.01)
+        s, residual, out = segs(50_000, 3_000, 700, 64, 5), torch.zeros(53_769), []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            flat = torch.randn(53_769, generator=g) * torch.repeat_interleave(
+                torch.tensor([1.0, 0.01, 3.0, 0.5, 0.0]), torch.tensor(s.sizes)) + residual
+            idx = c.select(flat, s, step)
+            residual = flat.index_fill(0, idx, 0)
+            out.append(idx)
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        assert a.dtype == b.dtype == torch.int64
+        assert torch.equal(a, b)
+
+
+def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
+    s, flat = gaussian_segments()
+    first = torch.tensor([1.0, 1e-3, 1.0, 1.0])
+    second = torch.tensor([1.0, 2e-3, 0.5, 1.0])  # segments 1 and 2 change
+    view = SegmentView(flat, s, 0.01)
+    view.apply(first)
+    view.apply(second, [1, 2])
+    fresh = SegmentView(flat, s, 0.01)
+    fresh.apply(second)
+    assert torch.equal(view.indices(), fresh.indices())
+    assert torch.equal(view.counts(), fresh.counts())
+    live = torch.repeat_interleave(fresh.max > 0, torch.tensor(s.sizes))  # the all-zero segment sends nothing
+    expected = (flat.abs() >= torch.repeat_interleave(torch.minimum(second, fresh.max), torch.tensor(s.sizes))) & live
+    assert torch.equal(view.indices(), torch.nonzero(expected).squeeze(1))
