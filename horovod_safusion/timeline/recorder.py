@@ -108,6 +108,7 @@ class TimelineRecorder:
         self.controller = controller
         self.rank = rank
         self.clock = Clock(controller.buffers[0].device)
+        self.mark = self.clock.mark  # now, as a clock mark; bound once: taken hundreds of times a step
         self.path = rank_path(self.path_template, rank)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._anchor = self.clock.anchor()
@@ -133,11 +134,11 @@ class TimelineRecorder:
 
     def _forward_begins(self, *_: Any) -> None:
         if self.clock is not None:
-            self._forward_start = self.clock.mark()
+            self._forward_start = self.mark()
 
     def _forward_ends(self, *_: Any) -> None:
         if self._forward_start is not None and self._prev_end is not None:
-            self._events.append((FORWARD, MAIN, self._forward_start, self.clock.mark(), None))
+            self._events.append((FORWARD, MAIN, self._forward_start, self.mark(), None))
             self._forward_end = self._events[-1][3]
         self._forward_start = None
 
@@ -152,12 +153,9 @@ class TimelineRecorder:
         self.controller.timeline = self
 
     # ---- called by the controller --------------------------------------------------------------
-    def mark(self) -> Any:
-        return self.clock.mark()
-
     def span(self, name: str, start: Any, **args: Any) -> Any:
         """Record ``name`` from ``start`` until now on the current row; returns now's mark."""
-        end = self.clock.mark()
+        end = self.mark()
         self._events.append((name, self._row, start, end, args or None))
         return end
 
@@ -165,7 +163,7 @@ class TimelineRecorder:
         """The hook of ``tensor`` ran from ``start`` (just after back-propagation produced it) until now."""
         if self._first_ready is None:
             self._first_ready = start
-        self._events.append((GRADIENT_READY, HOOKS, start, self.clock.mark(), {"tensor": tensor}))
+        self._events.append((GRADIENT_READY, HOOKS, start, self.mark(), {"tensor": tensor}))
 
     def submitted(self, buffer: int, start: Any) -> None:
         """Buffer ``buffer``'s collective was handed to Horovod from ``start`` until now."""
@@ -181,7 +179,7 @@ class TimelineRecorder:
 
     def synchronize_begins(self) -> None:
         c = self.controller
-        self._sync = (self.clock.mark(), c.plan.planner, c.recorder is not None, c.steps)
+        self._sync = (self.mark(), c.plan.planner, c.recorder is not None, c.steps)
         self._row = MAIN
 
     def synchronize_ends(self) -> None:
@@ -190,7 +188,7 @@ class TimelineRecorder:
 
     # ---- called by the optimizer at the end of step() -------------------------------------------
     def step_ends(self) -> None:
-        end = self.clock.mark()
+        end = self.mark()
         if self._prev_end is not None and self._sync:
             self._close_iteration(end)
         self._steps.append((self._anchor, self._events))
