@@ -58,12 +58,11 @@ class Config:
         selected = missing = live = 0
         elapsed = 0.0
         for b, (tensor_segs, grad) in enumerate(zip(buffers, grads)):
-            acc = grad + self.residual[b]
+            acc = self.residual[b].add_(grad)  # in place, as the controller's fusion buffer
             segs = tensor_segs if self.order == "ahead" else self.whole[b]
             t0 = time.perf_counter()
-            _, indices = sparsify(self.compressor, acc, segs, step)
+            _, indices = sparsify(self.compressor, acc, segs, step)  # acc becomes the residual
             elapsed += time.perf_counter() - t0
-            self.residual[b] = acc
             counts = tensor_segs.counts(indices)
             nonzero = torch.stack([p.abs().amax() for p in (grad + 0).split(list(tensor_segs.sizes))]) > 0
             selected += int(counts.sum())

@@ -7,10 +7,11 @@ how) and selects with a few whole-buffer operations whatever the number of segme
 maxima and sums by one segmented reduction each, one comparison pass that writes every segment's
 ``|x| >= τ`` into one mask, one ``nonzero``, and the counts per segment from the selected indices
 (cost ∝ selected). Refinements re-select only the segments whose thresholds they change and splice
-their indices into the selection (cost ∝ those segments). Per-tensor selection thus stays close
-to selecting over the whole buffer; what remains per segment is Python bookkeeping and, for
-estimating compressors, one estimate per segment (see ``benchmarks/bench_compressors.py``; SAFusion
-measured +4.5–6.2 % for its per-tensor selection).
+their indices into the selection: a raised threshold filters the segment's current selection
+(cost ∝ selected), a lowered one compares the segment anew (cost ∝ segment). What remains per
+segment is Python bookkeeping — a few microseconds per segment and pass — and, for estimating
+compressors, one estimate per segment; it weighs on small tensors (``benchmarks/bench_compressors.py``
+measures it against selecting per buffer; SAFusion measured +4.5–6.2 % for its per-tensor selection).
 A threshold above a segment's maximum is clipped to it, so every tensor with a nonzero gradient
 keeps at least one element; an all-zero segment sends nothing.
 
@@ -38,7 +39,7 @@ class _TorchOps:
 
     def __init__(self, segments: Segments, device: torch.device) -> None:
         self.lengths = torch.tensor(segments.sizes, dtype=torch.int64, device=device)
-        self.starts = segments.starts.to(device)
+        self.bounds = torch.tensor(segments.offsets + (segments.numel,), dtype=torch.int64, device=device)
         self.numel = segments.numel
 
     def wrap(self, t: torch.Tensor) -> torch.Tensor:
@@ -50,16 +51,21 @@ class _TorchOps:
     def segment_sum(self, a: torch.Tensor) -> torch.Tensor:
         return torch.segment_reduce(a, "sum", lengths=self.lengths)
 
-    def select(self, a: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-        """``a >= threshold of its segment``: the thresholds spread over the buffer, one comparison."""
-        return a >= torch.repeat_interleave(thresholds, self.lengths, output_size=self.numel)
+    def select(self, a: torch.Tensor, thresholds: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``a >= threshold of its segment`` into the mask ``out``: the thresholds spread over the
+        buffer, one comparison."""
+        return torch.ge(a, torch.repeat_interleave(thresholds, self.lengths, output_size=self.numel), out=out)
+
+    def compare(self, a: torch.Tensor, threshold: float, out: torch.Tensor) -> torch.Tensor:
+        return torch.ge(a, threshold, out=out)
 
     def flatnonzero(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).squeeze(1)
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:
-        owner = torch.searchsorted(self.starts, indices, right=True) - 1
-        return torch.bincount(owner, minlength=len(self.lengths))
+        """Per segment, how many of the (ascending) ``indices`` it holds: where the segments'
+        boundaries fall among them (cost ∝ segments · log selected)."""
+        return torch.searchsorted(indices, self.bounds).diff()
 
     def concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts)
@@ -76,6 +82,7 @@ class _NumpyOps(_TorchOps):
     def __init__(self, segments: Segments, device: torch.device) -> None:
         self.lengths = np.asarray(segments.sizes, dtype=np.int64)
         self.offsets = np.asarray(segments.offsets, dtype=np.int64)
+        self.bounds = np.asarray(segments.offsets + (segments.numel,), dtype=np.int64)
         self.numel = segments.numel
 
     def wrap(self, t: torch.Tensor) -> np.ndarray:
@@ -87,20 +94,21 @@ class _NumpyOps(_TorchOps):
     def segment_sum(self, a: np.ndarray) -> np.ndarray:
         return np.add.reduceat(a, self.offsets, dtype=np.float64 if a.dtype == np.float16 else a.dtype)
 
-    def select(self, a: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-        """A comparison per segment into one mask: a NumPy call costs about a microsecond, less
-        than spreading the thresholds over the buffer (``np.repeat``) costs."""
-        mask = np.empty(a.shape, dtype=np.bool_)
+    def select(self, a: np.ndarray, thresholds: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """A comparison per segment into the mask ``out``: a NumPy call costs about a microsecond,
+        less than spreading the thresholds over the buffer (``np.repeat``) costs."""
         for o, n, t in zip(self.offsets.tolist(), self.lengths.tolist(), thresholds.tolist()):
-            np.greater_equal(a[o:o + n], t, out=mask[o:o + n])
-        return mask
+            np.greater_equal(a[o:o + n], t, out=out[o:o + n])
+        return out
+
+    def compare(self, a: np.ndarray, threshold: float, out: np.ndarray) -> np.ndarray:
+        return np.greater_equal(a, threshold, out=out)
 
     def flatnonzero(self, mask: np.ndarray) -> np.ndarray:
         return np.flatnonzero(mask)
 
     def counts(self, indices: np.ndarray) -> np.ndarray:
-        owner = np.searchsorted(self.offsets, indices, side="right") - 1
-        return np.bincount(owner, minlength=len(self.lengths))
+        return np.diff(np.searchsorted(indices, self.bounds))
 
     def concat(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
@@ -109,29 +117,59 @@ class _NumpyOps(_TorchOps):
         return torch.from_numpy(np.ascontiguousarray(a))
 
 
-class SegmentView:
-    """``|x|`` of one flat buffer with its per-segment maxima, target counts and a selection mask.
+class Workspace:
+    """Scratch memory for selecting from one buffer at a time: ``|x|`` and a comparison mask, as
+    long as the largest buffer seen. Allocated afresh per call, buffers of a few megabytes came
+    from new pages every time and the page faults cost more than the selection (on ResNet-18,
+    ``abs`` of the same buffer took 4–10 ms fresh, 3.4 ms in reused memory)."""
 
-    :meth:`apply` writes ``|x| >= threshold`` into the mask — for all segments with one comparison
-    against the thresholds spread over the buffer, or segment by segment for the few that a
-    refinement changes — and keeps the count per segment, so refinements read :meth:`counts`;
-    :meth:`indices` returns the final selection. Per-segment results (``max``, ``k``,
-    :meth:`means`, :meth:`counts`) are tensors on the buffer's device, indexed by segment.
+    def __init__(self) -> None:
+        self._held: dict[torch.dtype, torch.Tensor] = {}
+
+    def _like(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        held = self._held.get(dtype)
+        if held is None or held.numel() < flat.numel() or held.device != flat.device:
+            held = self._held[dtype] = torch.empty(flat.numel(), dtype=dtype, device=flat.device)
+        return held[:flat.numel()]
+
+    def magnitudes(self, flat: torch.Tensor) -> torch.Tensor:
+        """Room for ``|flat|``."""
+        return self._like(flat, flat.dtype)
+
+    def mask(self, flat: torch.Tensor) -> torch.Tensor:
+        """Room for a boolean mask over ``flat``."""
+        return self._like(flat, torch.bool)
+
+
+class SegmentView:
+    """``|x|`` of one flat buffer with its per-segment maxima, target counts and current selection.
+
+    :meth:`apply` selects ``|x| >= threshold`` — in all segments with a few whole-buffer operations,
+    or in the few segments a refinement changes — and keeps the count per segment, so refinements
+    read :meth:`counts`; :meth:`indices` returns the final selection. A segment whose threshold
+    rises keeps the subset of its current selection that passes (cost ∝ selected, not ∝ segment:
+    DGC's hierarchical selection, GaussianK's and RedSync's steps up); one whose threshold falls is
+    compared anew. Per-segment results (``max``, ``k``, :meth:`means`, :meth:`counts`) are tensors
+    on the buffer's device, indexed by segment.
     """
 
-    def __init__(self, flat: torch.Tensor, segments: Segments, density: float) -> None:
+    def __init__(self, flat: torch.Tensor, segments: Segments, density: float,
+                 workspace: Workspace | None = None) -> None:
         self.segments = segments
         self.flat = flat
-        self.abs = flat.abs()
         cpu = flat.device.type == "cpu" and flat.dtype in _NumpyOps.DTYPES
         self._ops = (_NumpyOps if cpu else _TorchOps)(segments, flat.device)
+        workspace = workspace or Workspace()
+        self.abs = torch.abs(flat, out=workspace.magnitudes(flat))
         self._abs = self._ops.wrap(self.abs)
+        self._mask = self._ops.wrap(workspace.mask(flat))  # scratch for comparisons
         self.max = self._ops.to_torch(self._ops.segment_max(self._abs))
         self.k = segments.k(density).to(flat.device)  # target count per segment
-        self._mask = None
         self._counts: torch.Tensor | None = None
+        self._applied: list[float] = []  # per segment, the (clipped) threshold of its selection
         self._indices = None       # of the last full selection, then with the patches spliced in
         self._base_counts: list[int] = []  # per segment, as in self._indices
+        self._base_ends: list[int] = []
         self._patches: dict = {}   # segment -> its indices, re-selected since
 
     def means(self, signed: bool = False, squares: bool = False) -> torch.Tensor:
@@ -145,10 +183,16 @@ class SegmentView:
         o = self.segments.offsets[s]
         return self._abs[o:o + self.segments.sizes[s]]
 
+    def _selected(self, s: int):
+        """Buffer-relative indices that segment ``s`` selects now."""
+        if s in self._patches:
+            return self._patches[s]
+        end = self._base_ends[s]
+        return self._indices[end - self._base_counts[s]:end]
+
     def chosen(self, s: int):
         """``|x|`` of the elements segment ``s`` selects now (its candidates), as :meth:`magnitudes`."""
-        o, n = self.segments.offsets[s], self.segments.sizes[s]
-        return self._abs[o:o + n][self._mask[o:o + n]]
+        return self._abs[self._selected(s)]
 
     def apply(self, thresholds: torch.Tensor, which: list[int] | None = None) -> None:
         """Select ``|x| >= threshold`` (clipped to the segment's maximum) in ``which`` segments
@@ -156,19 +200,26 @@ class SegmentView:
         thr = torch.where(self.max > 0, torch.minimum(thresholds.to(self.max.dtype), self.max),
                           torch.full_like(self.max, math.inf))
         ops = self._ops
-        if which is None or self._mask is None:  # every segment: one comparison, one nonzero
-            self._mask = ops.select(self._abs, ops.wrap(thr))
-            self._indices = ops.flatnonzero(self._mask)
+        if which is None or self._indices is None:  # every segment: one comparison, one nonzero
+            self._indices = ops.flatnonzero(ops.select(self._abs, ops.wrap(thr), self._mask))
             self._counts = ops.to_torch(ops.counts(self._indices))
-            self._base_counts, self._patches = self._counts.tolist(), {}
+            self._rebase()
+            self._applied = thr.tolist()
             return
-        t = ops.wrap(thr)
+        t = thr.tolist()
         for s in which:  # re-selected alone; spliced into the indices later (cost ∝ selected)
-            o, n = self.segments.offsets[s], self.segments.sizes[s]
-            out = self._mask[o:o + n]
-            out[...] = self._abs[o:o + n] >= t[s]
-            self._patches[s] = ops.flatnonzero(out) + o
-            self._counts[s] = len(self._patches[s])
+            if t[s] >= self._applied[s]:  # a subset of the current selection
+                idx = self._selected(s)
+                idx = idx[self._abs[idx] >= t[s]]
+            else:
+                o, n = self.segments.offsets[s], self.segments.sizes[s]
+                idx = ops.flatnonzero(ops.compare(self._abs[o:o + n], t[s], self._mask[o:o + n])) + o
+            self._patches[s], self._counts[s], self._applied[s] = idx, len(idx), t[s]
+
+    def _rebase(self) -> None:
+        """The selection per segment is now ``self._indices``, in runs of ``self._counts``."""
+        self._base_counts, self._patches = self._counts.tolist(), {}
+        self._base_ends = list(itertools.accumulate(self._base_counts))
 
     def counts(self) -> torch.Tensor:
         """Selected elements per segment (int64 tensor; read, do not modify)."""
@@ -178,13 +229,12 @@ class SegmentView:
         """Buffer-relative indices of the selected elements, ascending (int64)."""
         if self._patches:  # replace the re-selected segments' runs of the last full selection
             pieces, pos = [], 0
-            ends = list(itertools.accumulate(self._base_counts))
             for s in sorted(self._patches):
-                pieces += [self._indices[pos:ends[s] - self._base_counts[s]], self._patches[s]]
-                pos = ends[s]
+                pieces += [self._indices[pos:self._base_ends[s] - self._base_counts[s]], self._patches[s]]
+                pos = self._base_ends[s]
             pieces.append(self._indices[pos:])
             self._indices = self._ops.concat(pieces)
-            self._base_counts, self._patches = self._counts.tolist(), {}
+            self._rebase()
         return self._ops.to_torch(self._indices).to(torch.int64)
 
 
@@ -193,12 +243,18 @@ class ThresholdCompressor(Compressor):
 
     Subclasses implement :meth:`thresholds` and may override :meth:`refine` to correct thresholds
     from the counts they selected (re-applying some segments, or adjusting the next step's).
+    ``|x|`` and the comparison masks go into a :class:`Workspace` kept between calls, so an
+    instance selects one buffer at a time, as the controller calls it.
     """
+
+    def __init__(self, density: float = 0.01) -> None:
+        super().__init__(density)
+        self._workspace = Workspace()
 
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
             return None
-        view = SegmentView(flat, segments, self.density)
+        view = SegmentView(flat, segments, self.density, self._workspace)
         thr = self.thresholds(view, step)
         view.apply(thr)
         self.refine(view, thr, view.counts(), step)

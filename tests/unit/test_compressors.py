@@ -258,10 +258,12 @@ def test_threshold_selection_is_the_same_in_numpy_and_in_torch(name, monkeypatch
 def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
     s, flat = gaussian_segments()
     first = torch.tensor([1.0, 1e-3, 1.0, 1.0])
-    second = torch.tensor([1.0, 2e-3, 0.5, 1.0])  # segments 1 and 2 change
+    raised = torch.tensor([1.0, 2e-3, 0.5, 1.0])  # segment 1 up (filters its selection), 2 down (compares anew)
+    second = torch.tensor([1.0, 3e-3, 0.5, 1.0])  # segment 1 up again, from its re-selection
     view = SegmentView(flat, s, 0.01)
     view.apply(first)
-    view.apply(second, [1, 2])
+    view.apply(raised, [1, 2])
+    view.apply(second, [1])
     fresh = SegmentView(flat, s, 0.01)
     fresh.apply(second)
     assert torch.equal(view.indices(), fresh.indices())
@@ -269,3 +271,5 @@ def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
     live = torch.repeat_interleave(fresh.max > 0, torch.tensor(s.sizes))  # the all-zero segment sends nothing
     expected = (flat.abs() >= torch.repeat_interleave(torch.minimum(second, fresh.max), torch.tensor(s.sizes))) & live
     assert torch.equal(view.indices(), torch.nonzero(expected).squeeze(1))
+    o, n = s.offsets[1], s.sizes[1]
+    assert torch.equal(torch.as_tensor(view.chosen(1)), flat.abs()[o:o + n][expected[o:o + n]])
