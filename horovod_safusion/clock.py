@@ -22,8 +22,8 @@ class Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        # mark() is now: a perf_counter() value on CPU, a recorded CUDA event on GPU (bound here,
-        # not dispatched per call: the timeline and the profiler take hundreds of marks a step).
+        # mark(): now, as a perf_counter() value on CPU or a recorded CUDA event on GPU — bound
+        # here rather than dispatched per call: the timeline and the profiler take hundreds a step.
         self.mark: Callable[[], Any] = self._event if self.cuda else time.perf_counter
 
     @staticmethod

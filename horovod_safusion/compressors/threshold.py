@@ -8,7 +8,7 @@ maxima and sums by one segmented reduction each, one comparison pass that writes
 ``|x| >= τ`` into one mask, one ``nonzero``, and the counts per segment from the selected indices
 (cost ∝ selected). Refinements re-select only the segments whose thresholds they change and splice
 their indices into the selection: a raised threshold filters the segment's current selection
-(cost ∝ selected), a lowered one compares the segment anew (cost ∝ segment). What remains per
+while that is small (cost ∝ selected); otherwise the segment is compared anew (cost ∝ segment). What remains per
 segment is Python bookkeeping — a few microseconds per segment and pass — and, for estimating
 compressors, one estimate per segment; it weighs on small tensors (``benchmarks/bench_compressors.py``
 measures it against selecting per buffer; SAFusion measured +4.5–6.2 % for its per-tensor selection).

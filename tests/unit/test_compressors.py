@@ -258,8 +258,10 @@ def test_threshold_selection_is_the_same_in_numpy_and_in_torch(name, monkeypatch
 def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
     s, flat = gaussian_segments()
     first = torch.tensor([1.0, 1e-3, 1.0, 1.0])
-    raised = torch.tensor([1.0, 2e-3, 0.5, 1.0])  # segment 1 up (filters its selection), 2 down (compares anew)
-    second = torch.tensor([1.0, 3e-3, 0.5, 1.0])  # segment 1 up again, from its re-selection
+    # segment 1 up while it selects about a third of itself (compared anew), 2 down (compared anew)
+    raised = torch.tensor([1.0, 2e-3, 0.5, 1.0])
+    # segment 1 up again while it selects about 5 % (its re-selection filtered)
+    second = torch.tensor([1.0, 3e-3, 0.5, 1.0])
     view = SegmentView(flat, s, 0.01)
     view.apply(first)
     view.apply(raised, [1, 2])
