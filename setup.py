@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["horovod_safusion", "horovod_safusion.*"]),
     python_requires=">=3.9",
-    install_requires=["torch", "horovod==0.28.1", "numpy", "scipy", "tqdm"],
+    install_requires=["torch", "horovod==0.28.1", "numpy", "scipy", "numba", "tqdm"],
     extras_require={
         "bench": ["matplotlib", "scikit-learn"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "mpi4py"],

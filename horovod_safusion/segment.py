@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -49,19 +50,29 @@ class Segments:
         """Offsets as an int64 tensor on the buffer's device."""
         return torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
 
+    @cached_property
+    def offset_array(self) -> np.ndarray:
+        """Offsets as an int64 NumPy array (per-segment arithmetic on the host)."""
+        return np.asarray(self.offsets, dtype=np.int64)
+
+    @cached_property
+    def size_array(self) -> np.ndarray:
+        """Sizes as an int64 NumPy array."""
+        return np.asarray(self.sizes, dtype=np.int64)
+
+    def k_array(self, density: float) -> np.ndarray:
+        """:meth:`k` as an int64 NumPy array (read, do not modify)."""
+        cache = self.__dict__.setdefault("_k_array", {})
+        if density not in cache:
+            cache[density] = self.k(density).numpy()
+        return cache[density]
+
     def k(self, density: float) -> torch.Tensor:
         """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
         cache = self.__dict__.setdefault("_k", {})
         if density not in cache:
             sizes = torch.tensor(self.sizes, dtype=torch.float64)
             cache[density] = torch.clamp(torch.round(sizes * density), min=1).to(torch.int64)
-        return cache[density]
-
-    def k_list(self, density: float) -> list[int]:
-        """:meth:`k` as a list of Python ints (for per-segment bookkeeping)."""
-        cache = self.__dict__.setdefault("_k_list", {})
-        if density not in cache:
-            cache[density] = self.k(density).tolist()
         return cache[density]
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 log "pip install the scientific stack"
-"${PIP[@]}" numpy scipy matplotlib tqdm pytest pytest-timeout hypothesis scikit-learn \
+"${PIP[@]}" numpy scipy numba matplotlib tqdm pytest pytest-timeout hypothesis scikit-learn \
   cloudpickle psutil pyyaml packaging cffi mpi4py wheel setuptools
 
 # ---- 3. Horovod (cached wheel) --------------------------------------------------------
@@ -86,4 +86,6 @@ fi
 # ---- 4. this package ------------------------------------------------------------------
 log "installing horovod-safusion (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
+log "compiling the selection kernels (Numba caches them in the package)"
+"$PY" -c "from horovod_safusion.compressors.segmented import warm_up; warm_up()"
 log "done: $("$PY" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"

@@ -11,13 +11,11 @@ applies all segment thresholds at once, and a threshold that drifted is re-estim
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from .base import register_compressor
-from .threshold import PeriodicThreshold, kth_largest
+from .threshold import PeriodicThreshold, SegmentView
 
 
 @register_compressor("dgc")
@@ -49,13 +47,21 @@ class DGC(PeriodicThreshold):
 
     max_effort = 6  # a sample up to 64 times larger
 
-    def estimate(self, seg, k: int, effort: int = 0) -> float:
-        """The ``(1 − density)`` quantile of a random sample of ``seg`` (magnitudes, a NumPy array
-        or a tensor), the sample doubled per ``effort``; exact below ``min_samples`` elements."""
-        n = len(seg)
-        samples = min(n, max(math.ceil(self.sample_rate * n), self.min_samples) << effort)
-        if samples >= n:
-            return kth_largest(seg, k)
-        idx = torch.randint(n, (samples,), generator=self._gen)
-        sample = seg[idx.numpy()] if isinstance(seg, np.ndarray) else seg[idx.to(seg.device)]
-        return kth_largest(sample, math.ceil(self.density * samples))
+    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
+        """Per segment, the ``(1 − density)`` quantile of a random sample of its ``|x|``, the
+        sample doubled per ``effort``; exact where the sample would hold the whole segment
+        (below ``min_samples`` elements). The samples of all segments are drawn at once (uniform,
+        with replacement) and their quantiles taken in one call."""
+        n = view.sizes[which]
+        samples = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64),
+                                           self.min_samples) << effort)
+        out = np.empty(len(which), dtype=np.float64)
+        exact = samples >= n
+        out[exact] = view.kth_largest(which[exact], ks[exact])
+        sampled = ~exact
+        if sampled.any():
+            m = samples[sampled]
+            u = torch.rand(int(m.sum()), generator=self._gen, dtype=torch.float64).numpy()
+            idx = np.repeat(view.offsets[which[sampled]], m) + (u * np.repeat(n[sampled], m)).astype(np.int64)
+            out[sampled] = view.kth_largest_at(idx, m, np.ceil(self.density * m).astype(np.int64))
+        return out

@@ -27,10 +27,11 @@ its own count: ExDyna's k′ is the number selected by *all* workers in their ex
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from .base import register_compressor
-from .threshold import SegmentView, ThresholdCompressor, kth_largest
+from .state import PerSegment
+from .threshold import SegmentView, ThresholdCompressor
 
 
 @register_compressor("exdyna")
@@ -56,7 +57,7 @@ class ExDyna(ThresholdCompressor):
         if not 0.0 < gamma < 1.0:
             raise ValueError(f"gamma must satisfy 0 < gamma < 1, got {gamma!r}")
         self.beta, self.gamma, self.relative = float(beta), float(gamma), bool(relative)
-        self._threshold: dict[str, float] = {}  # δ per segment (relative to mean|x| if relative)
+        self._threshold = PerSegment()  # δ per segment (relative to mean|x| if relative)
         self._global = False
         self.last_selection: tuple[tuple[str, ...], int] | None = None
 
@@ -74,24 +75,19 @@ class ExDyna(ThresholdCompressor):
     def _factor(self, exam: float) -> float:
         return 1 + self.gamma if exam > self.beta else 1 + self.gamma / 4 if exam > 1 / self.beta else 1 - self.gamma
 
-    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        unit = view.means().clamp(min=torch.finfo(torch.float64).tiny) if self.relative else None
-        self._unit = unit
-        for s, name in enumerate(view.segments.names):
-            if name not in self._threshold:  # δ_0
-                first = kth_largest(view.magnitudes(s), int(view.k[s]))
-                self._threshold[name] = first / float(unit[s]) if self.relative else first
-        delta = torch.tensor([self._threshold[n] for n in view.segments.names], dtype=torch.float64,
-                             device=view.abs.device)
-        return delta * unit if self.relative else delta
+    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
+        self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0
+        delta = self._threshold.of(view.segments.names)
+        new = np.flatnonzero(np.isnan(delta))
+        if new.size:  # δ_0: the exact k-th largest
+            delta[new] = view.kth_largest(new, view.k[new]) / (self._unit[new] if self.relative else 1.0)
+        return delta * self._unit
 
     def refine(self, view, thresholds, counts, step):
-        live = view.max > 0  # an all-zero segment says nothing about its threshold
+        live = view.live  # an all-zero segment says nothing about its threshold
         if self._global:
             names = tuple(n for n, alive in zip(view.segments.names, live.tolist()) if alive)
             self.last_selection = (names, int(view.k[live].sum()))
             return
-        sf = self._factor(float(counts[live].sum()) / max(1.0, float(view.k[live].sum())))  # k'/k, Alg. 1 l. 14
-        delta = thresholds.to(torch.float64) / self._unit if self.relative else thresholds.to(torch.float64)
-        nxt = torch.where(live, delta * sf, delta)
-        self._threshold.update(zip(view.segments.names, nxt.tolist()))
+        exam = float(counts[live].sum()) / max(1.0, float(view.k[live].sum()))  # k'/k, Alg. 1 l. 14
+        self._threshold.of(view.segments.names)[live] *= self._factor(exam)

@@ -10,7 +10,7 @@ fewer than ``2k/3`` (the bounds of the reference implementation).
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 from scipy.stats import norm
 
 from .base import register_compressor
@@ -34,20 +34,17 @@ class GaussianK(ThresholdCompressor):
         self.step_up, self.step_down = float(step_up), float(step_down)
         self._z = float(norm.ppf(1.0 - self.density / 2.0))
 
-    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
+    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         mu, second = view.means(signed=True), view.means(signed=True, squares=True)
-        sigma = torch.sqrt(torch.clamp(second - mu * mu, min=0))
-        return (mu.abs() + sigma * self._z).to(view.abs.dtype)
+        sigma = np.sqrt(np.maximum(second - mu * mu, 0))
+        return np.abs(mu) + sigma * self._z
 
     def refine(self, view, thresholds, counts, step):
-        # Bookkeeping on Python numbers: tiny-tensor operations would cost more than the selection.
-        thr, k, live = thresholds.tolist(), view.segments.k_list(self.density), (view.max > 0).tolist()
+        thr, k = thresholds.copy(), view.k
         for _ in range(self.refine_passes):
-            c = counts.tolist()
-            off = [s for s in range(len(c)) if live[s] and not 2 * k[s] <= 3 * c[s] <= 4 * k[s]]
-            if not off:
+            off = np.flatnonzero(view.live & ((3 * counts < 2 * k) | (3 * counts > 4 * k)))
+            if not off.size:
                 break
-            for s in off:
-                thr[s] *= self.step_up if 3 * c[s] > 4 * k[s] else self.step_down
-            view.apply(torch.tensor(thr, dtype=thresholds.dtype, device=thresholds.device), off)
+            thr[off] *= np.where(3 * counts[off] > 4 * k[off], self.step_up, self.step_down)
+            view.apply(thr, off)
             counts = view.counts()

@@ -7,9 +7,10 @@ point, so steps after the first usually need few passes.
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from .base import register_compressor
+from .state import PerSegment
 from .threshold import SegmentView, ThresholdCompressor
 
 
@@ -25,30 +26,22 @@ class RedSync(ThresholdCompressor):
     def __init__(self, density: float = 0.01, iterations: int = 8) -> None:
         super().__init__(density)
         self.iterations = int(iterations)
-        self._ratio: dict[str, float] = {}
+        self._ratio = PerSegment(fill=0.5)
 
-    def thresholds(self, view: SegmentView, step: int) -> torch.Tensor:
-        self._mean = view.means().to(view.max.dtype)
-        self._r = [self._ratio.get(n, 0.5) for n in view.segments.names]
-        r = torch.tensor(self._r, dtype=view.max.dtype, device=view.max.device)
-        return self._mean + r * (view.max - self._mean)
+    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
+        self._mean = view.means()
+        return self._mean + self._ratio.of(view.segments.names) * (view.max - self._mean)
 
     def refine(self, view, thresholds, counts, step):
-        # Bookkeeping on Python numbers: tiny-tensor operations would cost more than the selection.
-        r, k, live = self._r, view.segments.k_list(self.density), (view.max > 0).tolist()
-        lo, hi = [0.0] * len(r), [1.0] * len(r)
+        r, k = self._ratio.of(view.segments.names), view.k
+        lo, hi = np.zeros(len(r)), np.ones(len(r))
         for _ in range(self.iterations):
-            c = counts.tolist()
-            off = [s for s in range(len(c)) if live[s] and not k[s] <= c[s] <= 2 * k[s]]
-            if not off:
+            off = np.flatnonzero(view.live & ((counts < k) | (counts > 2 * k)))
+            if not off.size:
                 break
-            for s in off:
-                if c[s] > 2 * k[s]:
-                    lo[s] = r[s]  # too many: raise the threshold
-                else:
-                    hi[s] = r[s]  # too few: lower it
-                r[s] = (lo[s] + hi[s]) / 2
-            ratio = torch.tensor(r, dtype=view.max.dtype, device=view.max.device)
-            view.apply(self._mean + ratio * (view.max - self._mean), off)
+            many = counts[off] > 2 * k[off]
+            lo[off[many]] = r[off[many]]  # too many: raise the threshold
+            hi[off[~many]] = r[off[~many]]  # too few: lower it
+            r[off] = (lo[off] + hi[off]) / 2
+            view.apply(self._mean + r * (view.max - self._mean), off)
             counts = view.counts()
-        self._ratio.update(zip(view.segments.names, r))
