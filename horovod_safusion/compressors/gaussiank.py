@@ -6,7 +6,10 @@ Gradients are close to normally distributed, so the threshold selecting a fracti
 two reductions instead of a sort. Real gradients have heavier tails than a Gaussian, so the
 estimate selects too many or too few; up to ``refine_passes`` corrections multiply a segment's
 threshold by ``step_up`` while it selects more than ``4k/3`` and by ``step_down`` while it selects
-fewer than ``2k/3`` (the bounds of the reference implementation).
+fewer than ``2k/3`` (the bounds of the reference implementation). The corrections happen in the
+selection pass, segment by segment while the segment is in cache
+(:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_stepped`): a raised threshold
+filters the segment's selection, a lowered one compares the segment anew.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 from scipy.stats import norm
 
 from .base import register_compressor
+from .segmented import Steps
 from .threshold import SegmentView, ThresholdCompressor
 
 
@@ -39,12 +43,6 @@ class GaussianK(ThresholdCompressor):
         sigma = np.sqrt(np.maximum(second - mu * mu, 0))
         return np.abs(mu) + sigma * self._z
 
-    def refine(self, view, thresholds, counts, step):
-        thr, k = thresholds.copy(), view.k
-        for _ in range(self.refine_passes):
-            off = np.flatnonzero(view.live & ((3 * counts < 2 * k) | (3 * counts > 4 * k)))
-            if not off.size:
-                break
-            thr[off] *= np.where(3 * counts[off] > 4 * k[off], self.step_up, self.step_down)
-            view.apply(thr, off)
-            counts = view.counts()
+    def correction(self, view: SegmentView, step: int) -> Steps:
+        return Steps(low=2 * view.k / 3, high=4 * view.k / 3, up=self.step_up, down=self.step_down,
+                     passes=self.refine_passes)

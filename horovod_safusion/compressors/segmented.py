@@ -14,9 +14,11 @@ the fallback, one PyTorch call per segment) do the same operations on ``a = |x|`
 per-segment arguments as NumPy arrays:
 
 * :meth:`select` — every segment against its threshold;
-* :meth:`select_within` — the same, with counts outside a band corrected while the segment is in
-  cache: too many trimmed to the k largest (DGC's hierarchical selection), too few compared again
-  at a threshold lowered along an exponential tail;
+* :meth:`select_within` — the same, with counts outside a :class:`Band` corrected while the
+  segment is in cache: too many trimmed to the k largest (DGC's hierarchical selection), too few
+  compared again at a threshold lowered along an exponential tail;
+* :meth:`select_stepped` — the same, with counts outside :class:`Steps` corrected by multiplying
+  the threshold up or down a few times (GaussianK's refinement), segment by segment;
 * :meth:`reselect` — some segments again: a raised threshold filters the segment's current
   selection (cost ∝ selected; DGC's hierarchical selection), others are compared anew;
 * :meth:`select_top` (compiled only) — exactly the k largest per segment, by radix selection;
@@ -179,6 +181,41 @@ def _select_within(a, offsets, sizes, thr, ks, low, high, lower, scale, out, cou
 
 
 @_jit
+def _select_stepped(a, offsets, sizes, start, top, low, high, up, down, passes, out, counts,
+                    chosen):  # pragma: no cover - compiled
+    """:func:`_select` from the thresholds ``start`` (float64, unclipped), then per segment, while
+    its count is outside ``[low[s], high[s]]`` and at most ``passes`` times, the threshold times
+    ``up`` (too many: the selection is filtered) or ``down`` (too few: the segment is compared
+    anew); what is applied is clipped to the segment's maximum ``top[s]``, and ``chosen[s]``
+    receives the threshold applied in the end (in ``a``'s dtype)."""
+    n = 0
+    for s in range(offsets.size):
+        first, u = n, start[s]
+        chosen[s] = min(u, top[s]) if u < np.inf else u
+        if u < np.inf:
+            t = chosen[s]
+            n = _compare(a, offsets[s], sizes[s], t, out, n)
+            for _ in range(passes):
+                c = n - first
+                if low[s] <= c <= high[s]:
+                    break
+                u *= up if c > high[s] else down
+                chosen[s] = min(u, top[s])
+                if chosen[s] >= t:  # raised: a subset of the selection
+                    t, m = chosen[s], first
+                    for j in range(first, n):
+                        if a[out[j]] >= t:
+                            out[m] = out[j]
+                            m += 1
+                    n = m
+                else:
+                    t = chosen[s]
+                    n = _compare(a, offsets[s], sizes[s], t, out, first)
+        counts[s] = n - first
+    return n
+
+
+@_jit
 def _reselect(a, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pragma: no cover
     n = pos = 0
     for s in range(offsets.size):
@@ -228,6 +265,18 @@ def _exceedance_moments(a, offsets, sizes, eta, inclusive, count, mean, var):  #
         count[j] = c
         m = s1 / c if c else 0.0
         mean[j], var[j] = m, max(s2 / c - m * m, 0.0) if c else 0.0
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Per segment, the counts ``[low, high]`` a selection may end with, corrected by multiplying
+    the threshold by ``up`` (too many) or ``down`` (too few) at most ``passes`` times."""
+
+    low: np.ndarray
+    high: np.ndarray
+    up: float
+    down: float
+    passes: int
 
 
 @dataclass(frozen=True)
@@ -286,6 +335,17 @@ class NumbaKernels:
         chosen = thr.copy()
         n = _select_within(a, self.offsets, self.sizes, thr, band.k, band.low, band.high, band.lower,
                            band.scale, out, counts, chosen)
+        return out[:n], counts, chosen
+
+    def select_stepped(self, a: np.ndarray, start: np.ndarray, steps: Steps, top: np.ndarray,
+                       out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`select` from the unclipped float64 thresholds ``start`` (infinite: the segment
+        selects nothing), with the counts corrected by ``steps`` and what is applied clipped to
+        ``top``: the indices, the counts and the threshold each segment ended with."""
+        counts = np.empty(len(self.offsets), dtype=np.int64)
+        chosen = top.copy()
+        n = _select_stepped(a, self.offsets, self.sizes, start, top, steps.low, steps.high, steps.up, steps.down,
+                            steps.passes, out, counts, chosen)
         return out[:n], counts, chosen
 
     def reselect(self, a: np.ndarray, idx: np.ndarray, counts: np.ndarray, mode: np.ndarray, thr: np.ndarray,
@@ -372,6 +432,29 @@ class TorchKernels:
         idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=a.device)
         return idx, self._counts(idx), chosen
 
+    def select_stepped(self, a: torch.Tensor, start: np.ndarray, steps: Steps, top: np.ndarray,
+                       out=None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        parts, chosen = [], top.copy()
+        rounded = lambda v: torch.tensor(v, dtype=a.dtype).item()  # noqa: E731  (as the kernel stores it)
+        for s, u in enumerate(start.tolist()):
+            chosen[s] = min(u, float(top[s])) if u < np.inf else u
+            if not u < np.inf:
+                continue
+            t = float(chosen[s])
+            idx = self._compare(a, s, t)
+            for _ in range(steps.passes):
+                c = len(idx)
+                if steps.low[s] <= c <= steps.high[s]:
+                    break
+                u *= steps.up if c > steps.high[s] else steps.down
+                new = rounded(min(u, float(top[s])))
+                idx = idx[a[idx] >= new] if new >= t else self._compare(a, s, new)
+                t = new
+            chosen[s] = t
+            parts.append(idx)
+        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=a.device)
+        return idx, self._counts(idx), chosen
+
     def reselect(self, a, idx, counts, mode, thr, out=None) -> tuple[torch.Tensor, np.ndarray]:
         parts, pos = [], 0
         for s, (c, m, t) in enumerate(zip(counts.tolist(), mode.tolist(), thr.tolist())):
@@ -427,6 +510,7 @@ def warm_up() -> None:
         kernels.reselect(a, idx.copy(), counts, np.array([1, 2], dtype=np.int8), thr, scratch)
         band = Band(k=ks, low=ks / 2 - 1, high=2.0 * (ks + 1), lower=np.array([True, True]), scale=np.ones(2))
         kernels.select_within(a, thr, band, out)
+        kernels.select_stepped(a, np.array([0.5, 2.0]), Steps(ks / 2, 2.0 * ks, 1.3, 0.7, 3), np.ones(2, dtype=dtype), out)
         kernels.select_top(a, ks, out, scratch)
         kernels.kth_largest(a, offsets, sizes, ks)
         kernels.kth_largest(a, offsets, sizes, ks, idx=np.arange(10, dtype=np.int64))

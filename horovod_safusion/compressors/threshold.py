@@ -25,7 +25,7 @@ import torch
 
 from ..segment import Segments
 from .base import Compressor
-from .segmented import Band, NumbaKernels, TorchKernels
+from .segmented import Band, NumbaKernels, Steps, TorchKernels
 from .state import PerSegment
 
 # A raised threshold filters the segment's current selection (a gather per selected element)
@@ -110,17 +110,23 @@ class SegmentView:
         self._slot ^= 1
         return self._kernels.wrap(self._workspace.indices(self.flat, self._slot))
 
-    def apply(self, thresholds: np.ndarray, which: np.ndarray | None = None, band: Band | None = None) -> None:
+    def apply(self, thresholds: np.ndarray, which: np.ndarray | None = None,
+              correction: Band | Steps | None = None) -> None:
         """Select ``|x| >= threshold`` (clipped to the segment's maximum, in the buffer's dtype)
         in the segments ``which`` (all by default) and count what each of them selects. With a
-        ``band`` (all segments only), a count outside it is corrected at once
-        (:meth:`NumbaKernels.select_within`); :attr:`corrected` lists those segments and
-        :meth:`applied` their thresholds."""
+        ``correction`` (all segments only), a count outside it is corrected in the same pass
+        (:meth:`NumbaKernels.select_within`, :meth:`NumbaKernels.select_stepped`);
+        :attr:`corrected` lists those segments and :meth:`applied` their thresholds."""
         thr = _rounded(np.where(self.live, np.minimum(thresholds, self.max), np.inf), self._dtype)
         self.corrected = np.zeros(0, dtype=np.int64)
-        if band is not None:
-            self._indices, self._counts, self._applied = self._kernels.select_within(self._abs, thr, band,
-                                                                                     self._scratch())
+        if isinstance(correction, Band):
+            self._indices, self._counts, self._applied = self._kernels.select_within(
+                self._abs, thr, correction, self._scratch())
+        elif isinstance(correction, Steps):
+            self._indices, self._counts, self._applied = self._kernels.select_stepped(
+                self._abs, np.where(self.live, thresholds, np.inf), correction, _rounded(self.max, self._dtype),
+                self._scratch())
+        if correction is not None:
             self.corrected = np.flatnonzero(self._applied != thr)
             return
         if which is None or self._indices is None:
@@ -188,7 +194,7 @@ class ThresholdCompressor(Compressor):
             return None
         view = SegmentView(flat, segments, self.density, self._workspace)
         thr = self.thresholds(view, step)
-        view.apply(thr, band=self.band(view, step))
+        view.apply(thr, correction=self.correction(view, step))
         self.refine(view, thr, view.counts(), step)
         return view.indices()
 
@@ -196,8 +202,8 @@ class ThresholdCompressor(Compressor):
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         """A threshold on ``|x|`` per segment (float64 array of length ``len(view.segments)``)."""
 
-    def band(self, view: SegmentView, step: int) -> Band | None:
-        """Counts the first selection corrects at once, per segment (None: no correction)."""
+    def correction(self, view: SegmentView, step: int) -> Band | Steps | None:
+        """How the first selection corrects counts by itself, per segment (None: it does not)."""
         return None
 
     def refine(self, view: SegmentView, thresholds: np.ndarray, counts: np.ndarray, step: int) -> None:
@@ -281,7 +287,7 @@ class PeriodicThreshold(ThresholdCompressor):
         self._estimate(view, stale, step)
         return self._threshold.of(names) * self._unit
 
-    def band(self, view: SegmentView, step: int) -> Band:
+    def correction(self, view: SegmentView, step: int) -> Band:
         fresh = self._estimated_at.of(view.segments.names) == step
         return Band(k=view.k, low=view.k / self.drift - 1, high=self.drift * (view.k + 1),
                     lower=view.live & ~fresh, scale=self._unit)

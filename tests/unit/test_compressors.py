@@ -361,7 +361,7 @@ def test_selection_pass_trims_too_many_and_lowers_too_few(compiled, monkeypatch)
     band = segmented.Band(k=k, low=k / 2 - 1, high=2 * (k + 1), lower=np.array([True, True, False]),
                           scale=view.means())
     thr = np.array([1.0, 3.5, 3.5])  # ~32 % selected; ~0.05 % (far too few) twice
-    view.apply(thr, band=band)
+    view.apply(thr, correction=band)
     counts, applied = view.counts(), view.applied()
     a = flat.abs()
     assert counts[0] == 200 and applied[0] == kth_ref(a[:20_000], 200)  # trimmed: exactly k
@@ -400,3 +400,27 @@ def test_per_segment_state_survives_a_change_of_plan():
     assert state.of(("c", "d")).tolist() == [3.0, 4.0]
     with pytest.raises(KeyError):
         state["zz"]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_selection_pass_steps_thresholds_into_the_band(compiled, monkeypatch):
+    """GaussianK's correction: the threshold times ``up`` while too many, times ``down`` while too
+    few, at most ``passes`` times, never above the segment's maximum."""
+    from horovod_safusion.compressors import segmented
+
+    monkeypatch.setattr(segmented.NumbaKernels, "DTYPES", segmented.NumbaKernels.DTYPES if compiled else ())
+    g = torch.Generator().manual_seed(10)
+    s = segs(20_000, 20_000, 50)
+    flat = torch.cat([torch.randn(40_000, generator=g), torch.full((50,), 0.25)])
+    view = SegmentView(flat, s, 0.01)
+    steps = segmented.Steps(low=2 * view.k / 3, high=4 * view.k / 3, up=1.3, down=0.7, passes=3)
+    view.apply(np.array([2.0, 3.714, 1.0]), correction=steps)  # ~4.6 %, ~0.02 %, above the maximum
+    counts, applied = view.counts(), view.applied()
+    a = flat.abs()
+    stepped = lambda t, f: np.float32(float(np.float32(t)) * f)  # noqa: E731  (from the rounded start)
+    assert applied[0] == stepped(2.0, 1.3) and 133 <= counts[0] <= 267  # one step up: in the band
+    assert applied[1] == stepped(3.714, 0.7) and 133 <= counts[1] <= 267  # one step down
+    assert counts[2] == 50 and applied[2] == np.float32(0.25)  # clipped to the maximum: all ties kept
+    expected = torch.nonzero(a >= torch.repeat_interleave(torch.from_numpy(applied), torch.tensor(s.sizes))).squeeze(1)
+    assert torch.equal(view.indices(), expected)
+    assert view.counts().tolist() == s.counts(view.indices()).tolist()
