@@ -6,10 +6,13 @@ A :class:`ThresholdCompressor` computes one threshold per segment (its subclasse
 how) and selects with whole-buffer operations whatever the number of segments: per-segment
 maxima and sums by one segmented reduction each, and one compiled pass
 (:mod:`~horovod_safusion.compressors.segmented`) that compares every segment with its threshold
-and writes the selected indices, ascending, with their count per segment. Refinements re-select
-only the segments whose thresholds they change, in one more pass over the selection: a raised
-threshold filters the segment's current selection while that is small (cost ∝ selected);
-otherwise the segment is compared anew (cost ∝ segment). Thresholds, counts and per-segment
+and writes the selected indices, ascending, with their count per segment. A compressor may hand
+that pass a correction (:meth:`ThresholdCompressor.correction`): counts outside a band are then
+corrected segment by segment while the segment is in cache — DGC's and SIDCo's trim and lowering,
+GaussianK's steps. Refinements left to Python re-select only the segments whose thresholds they
+change, in one more pass over the selection: a raised threshold filters the segment's current
+selection while that is small (cost ∝ selected); otherwise the segment is compared anew
+(cost ∝ segment). Thresholds, counts and per-segment
 state are NumPy arrays indexed by segment, and compressors decide for all segments at once, so
 selecting per tensor costs about what selecting per buffer does (``benchmarks/bench_compressors.py``
 measures both; SAFusion §5 measured +4.5–6.2 % for its per-tensor selection).
