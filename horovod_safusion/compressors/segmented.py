@@ -55,6 +55,17 @@ def _compare(a, o, size, t, out, n):  # pragma: no cover - compiled
 
 
 @_jit
+def _keep(a, src, start, stop, t, dst, n):  # pragma: no cover - compiled
+    """Append the indices ``i`` of ``src[start:stop]`` with ``a[i] >= t`` to ``dst[n:]``; the new n.
+    ``dst`` may be ``src`` with ``n <= start`` (filtering a run in place)."""
+    for j in range(start, stop):
+        if a[src[j]] >= t:
+            dst[n] = src[j]
+            n += 1
+    return n
+
+
+@_jit
 def _select(a, offsets, sizes, thr, out, counts):  # pragma: no cover - compiled
     n = 0
     for s in range(offsets.size):
@@ -137,18 +148,12 @@ def _select_top(bits, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: 
 
 
 @_jit
-def _trim(a, out, first, n, k, t, scratch, s):  # pragma: no cover - compiled
+def _trim(a, out, first, n, k, scratch, s):  # pragma: no cover - compiled
     """Keep the ``k`` largest of the selection ``out[first:n]`` (DGC's hierarchical selection):
     their minimum becomes the threshold ``scratch[s]``; the new n."""
     c = n - first
     scratch[s] = np.partition(a[out[first:n]], c - k)[c - k]
-    t = scratch[s]
-    m = first
-    for j in range(first, n):
-        if a[out[j]] >= t:
-            out[m] = out[j]
-            m += 1
-    return m
+    return _keep(a, out, first, n, scratch[s], out, first)
 
 
 @_jit
@@ -175,7 +180,7 @@ def _select_within(a, offsets, sizes, thr, ks, low, high, lower, scale, out, cou
                     n = _compare(a, offsets[s], sizes[s], t, out, first)
                     lowered, tries = True, tries + 1
             if n - first > high[s] or (lowered and n - first > ks[s]):
-                n = _trim(a, out, first, n, ks[s], t, chosen, s)
+                n = _trim(a, out, first, n, ks[s], chosen, s)
         counts[s] = n - first
     return n
 
@@ -201,15 +206,10 @@ def _select_stepped(a, offsets, sizes, start, top, low, high, up, down, passes, 
                     break
                 u *= up if c > high[s] else down
                 chosen[s] = min(u, top[s])
-                if chosen[s] >= t:  # raised: a subset of the selection
-                    t, m = chosen[s], first
-                    for j in range(first, n):
-                        if a[out[j]] >= t:
-                            out[m] = out[j]
-                            m += 1
-                    n = m
+                raised, t = chosen[s] >= t, chosen[s]
+                if raised:  # a subset of the selection
+                    n = _keep(a, out, first, n, t, out, first)
                 else:
-                    t = chosen[s]
                     n = _compare(a, offsets[s], sizes[s], t, out, first)
         counts[s] = n - first
     return n
@@ -225,10 +225,7 @@ def _reselect(a, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pr
                 out[n] = idx[j]
                 n += 1
         elif mode[s] == 1:  # a raised threshold: a subset of the current selection
-            for j in range(pos, pos + c):
-                if a[idx[j]] >= t:
-                    out[n] = idx[j]
-                    n += 1
+            n = _keep(a, idx, pos, pos + c, t, out, n)
         elif t < np.inf:  # compared anew
             n = _compare(a, offsets[s], sizes[s], t, out, n)
         new_counts[s] = n - first
@@ -389,6 +386,7 @@ class TorchKernels:
     def __init__(self, offsets: np.ndarray, sizes: np.ndarray, device: torch.device) -> None:
         self.offsets, self.sizes, self.device = offsets, sizes, device
         self._lengths = torch.as_tensor(sizes, device=device)
+        self._bounds = torch.as_tensor(np.append(offsets, offsets[-1] + sizes[-1]), device=device)
 
     @staticmethod
     def wrap(t: torch.Tensor) -> torch.Tensor:
@@ -406,21 +404,18 @@ class TorchKernels:
         return torch.nonzero(a[o:o + int(self.sizes[s])] >= t).squeeze(1) + o
 
     def select(self, a: torch.Tensor, thr: np.ndarray, out=None) -> tuple[torch.Tensor, np.ndarray]:
-        parts = [self._compare(a, s, t) for s, t in enumerate(thr.tolist()) if t < np.inf]
-        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=a.device)
-        return idx, self._counts(idx)
+        return self._joined([self._compare(a, s, t) for s, t in enumerate(thr.tolist()) if t < np.inf])
 
     def select_within(self, a: torch.Tensor, thr: np.ndarray, band: Band,
                       out=None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         parts, chosen = [], thr.copy()
-        rounded = lambda v: torch.tensor(v, dtype=a.dtype).item()  # noqa: E731  (as the kernel stores it)
         for s, t in enumerate(thr.tolist()):
             if not t < np.inf:
                 continue
             idx = self._compare(a, s, t)
             lowered, tries, k = False, 0, int(band.k[s])
             while band.lower[s] and len(idx) < band.low[s] and tries < 3 and t > 0:
-                t = rounded(max(t - band.scale[s] * np.log(k / max(len(idx), 1)), 0.0))
+                t = self._rounded(a, max(t - band.scale[s] * np.log(k / max(len(idx), 1)), 0.0))
                 idx = self._compare(a, s, t)
                 lowered, tries = True, tries + 1
             if len(idx) > band.high[s] or (lowered and len(idx) > k):
@@ -429,13 +424,11 @@ class TorchKernels:
                 idx = idx[vals >= t]
             chosen[s] = t
             parts.append(idx)
-        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=a.device)
-        return idx, self._counts(idx), chosen
+        return (*self._joined(parts), chosen)
 
     def select_stepped(self, a: torch.Tensor, start: np.ndarray, steps: Steps, top: np.ndarray,
                        out=None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         parts, chosen = [], top.copy()
-        rounded = lambda v: torch.tensor(v, dtype=a.dtype).item()  # noqa: E731  (as the kernel stores it)
         for s, u in enumerate(start.tolist()):
             chosen[s] = min(u, float(top[s])) if u < np.inf else u
             if not u < np.inf:
@@ -447,13 +440,12 @@ class TorchKernels:
                 if steps.low[s] <= c <= steps.high[s]:
                     break
                 u *= steps.up if c > steps.high[s] else steps.down
-                new = rounded(min(u, float(top[s])))
+                new = self._rounded(a, min(u, float(top[s])))
                 idx = idx[a[idx] >= new] if new >= t else self._compare(a, s, new)
                 t = new
             chosen[s] = t
             parts.append(idx)
-        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=a.device)
-        return idx, self._counts(idx), chosen
+        return (*self._joined(parts), chosen)
 
     def reselect(self, a, idx, counts, mode, thr, out=None) -> tuple[torch.Tensor, np.ndarray]:
         parts, pos = [], 0
@@ -462,12 +454,20 @@ class TorchKernels:
             parts.append(run if m == 0 else run[a[run] >= t] if m == 1 else
                          self._compare(a, s, t) if t < np.inf else run[:0])
             pos += c
-        idx = torch.cat(parts)
-        return idx, self._counts(idx)
+        return self._joined(parts)
 
     def _counts(self, idx: torch.Tensor) -> np.ndarray:
-        bounds = torch.as_tensor(np.append(self.offsets, self.offsets[-1] + self.sizes[-1]), device=idx.device)
-        return torch.searchsorted(idx, bounds).diff().cpu().numpy()
+        return torch.searchsorted(idx, self._bounds).diff().cpu().numpy()
+
+    def _joined(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+        """The segments' selections as one index tensor, and the count per segment."""
+        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return idx, self._counts(idx)
+
+    @staticmethod
+    def _rounded(a: torch.Tensor, v: float) -> float:
+        """``v`` rounded to ``a``'s dtype, as the compiled kernels store a threshold."""
+        return torch.tensor(v, dtype=a.dtype).item()
 
     @staticmethod
     def kth_largest(a: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, ks: np.ndarray,

@@ -290,20 +290,25 @@ class PeriodicThreshold(ThresholdCompressor):
         self._estimate(view, stale, step)
         return self._threshold.of(names) * self._unit
 
+    def _band(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The counts a segment with target ``k`` may select: ``[k / drift − 1, drift · (k + 1)]``."""
+        return k / self.drift - 1, self.drift * (k + 1)
+
     def correction(self, view: SegmentView, step: int) -> Band:
         fresh = self._estimated_at.of(view.segments.names) == step
-        return Band(k=view.k, low=view.k / self.drift - 1, high=self.drift * (view.k + 1),
-                    lower=view.live & ~fresh, scale=self._unit)
+        low, high = self._band(view.k)
+        return Band(k=view.k, low=low, high=high, lower=view.live & ~fresh, scale=self._unit)
 
     def refine(self, view, thresholds, counts, step):
-        ks, live, drift = view.k, view.live, self.drift
+        ks, live = view.k, view.live
+        low, high = self._band(ks)
         names = view.segments.names
         fixed = view.corrected  # by the selection pass: trimmed or lowered
         self._threshold.of(names)[fixed] = view.applied()[fixed] / self._unit[fixed]
         effort = self._effort.of(names)
         for _ in range(self.refine_passes):
-            too_many = np.flatnonzero(live & (counts > ks * drift + drift))
-            too_few = np.flatnonzero(live & ((counts + 1) * drift < ks) & (effort < self.max_effort))
+            too_many = np.flatnonzero(live & (counts > high))
+            too_few = np.flatnonzero(live & (counts < low) & (effort < self.max_effort))
             if not too_many.size and not too_few.size:
                 return
             if too_many.size:  # DGC's hierarchical selection: the k-th largest among the candidates
