@@ -66,7 +66,7 @@ def run(name: str, args, data) -> dict:
         selected.append(opt.last_stats.selected)
     out = {"received": received[args.warmup:], "selected": selected[args.warmup:],
            "numel": sum(p.numel() for p in model.parameters()), "buffers": len(opt.plan.buffers)}
-    history = getattr(opt.communicator, "history", [])
+    history = list(getattr(opt.communicator, "history", []))
     first = args.warmup * len(opt.plan.buffers)  # history has one entry per buffer and step
     if name == "zen-bp":
         out["push"] = [h["push_imbalance"] for h in history[first:]]

@@ -9,12 +9,15 @@ from .communicators import Communicator, available_communicators, register_commu
 from .compressors import Compressor, available_compressors, register_compressor
 from .controller import StepStats
 from .generator import Planner, TensorInfo, available_planners, register_planner
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, SAFusionOptimizer
+from . import elastic
 from .plan import FusionPlan
 from .timeline import TimelineRecorder
 
+elastic.register()  # hvd.elastic.TorchState handles this package's optimizers
+
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "Compressor", "DistributedOptimizer", "FusionPlan", "Planner", "StepStats",
+__all__ = ["Communicator", "Compressor", "DistributedOptimizer", "FusionPlan", "Planner", "SAFusionOptimizer", "StepStats",
            "TensorInfo", "TimelineRecorder", "available_communicators", "available_compressors", "available_planners",
            "register_communicator", "register_compressor", "register_planner"]

@@ -9,13 +9,32 @@ the new residual, and ONE asynchronous collective starts, overlapping the rest o
 back-propagation. :meth:`Controller.synchronize` submits every buffer that has not started (so no
 rank hangs when a parameter got no gradient), waits, splits the aggregated flat buffer into
 tensors and writes ``p.grad``.
+
+Three rules keep error feedback exact in real training loops:
+
+* **Non-finite gradients** (a NaN batch, a loss-scale overflow): a buffer whose
+  error-compensated gradient is not finite is not selected from on that rank. It leaves the
+  residuals as they were (non-finite residual elements are cleared) and sends nothing. One small
+  allreduce per step tells every rank which buffers were hit anywhere, and those arrive as NaN on
+  every rank. So the user's finiteness check (or GradScaler's) skips the step on all ranks, as
+  with Horovod. A rank whose own gradient was finite takes back what it sent for such a buffer
+  (its residual becomes gradient + residual), so only the non-finite rank's gradient of that step
+  is dropped, and no rank keeps a NaN or stops sending.
+* **Loss scaling**: with a ``GradScaler`` (``loss_scale`` set), residuals are kept at the scale of
+  the step that made them and rescaled by ``new_scale / old_scale`` when added to the next
+  gradient, so a changing scale neither inflates nor shrinks them.
+* **Wire rounding**: when Horovod's ``compression`` rounds values (``Compression.fp16``), the
+  selected values are rounded here, before the collective, and what rounding dropped stays in the
+  residual, so ``residual_after + sent == residual_before + grad`` holds for the values that were
+  actually sent.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import horovod.torch as hvd
 
 from .communicators import Communicator, Pending
 from .compressors import Compressor
@@ -80,6 +99,13 @@ class FusionBuffer:
         self.filled: set[int] = set()
         self.pending: Pending | None = None
         self.indices: torch.Tensor | None = None  # what the last launch selected
+        self.values: torch.Tensor | None = None  # what it sent for them (after wire rounding)
+        self.poisoned = False  # this rank's error-compensated gradient was not finite
+
+    def reset(self) -> None:
+        """Forget the step in flight (after synchronize, or when a step is abandoned)."""
+        self.pending, self.indices, self.values, self.poisoned = None, None, None, False
+        self.filled.clear()
 
     def segment(self, slot: int) -> slice:
         off = self.tensors.offsets[slot]
@@ -101,6 +127,13 @@ def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments,
     return values, indices
 
 
+def _finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite: their sum is (one reduction; half precision sums in
+    float32, so that finite gradients do not overflow)."""
+    acc = torch.float32 if flat.element_size() < 4 else flat.dtype
+    return bool(torch.isfinite(flat.sum(dtype=acc)))
+
+
 class Controller:
     """Fills fusion buffers from gradient hooks and synchronises one collective per buffer.
 
@@ -111,17 +144,26 @@ class Controller:
         communicator: synchronises one buffer per collective.
         op, prescale, postscale: Horovod's reduction op and scale factors.
         sparse_as_dense: densify sparse gradients (as in Horovod) instead of rejecting them.
+        loss_scale: returns the loss scale of the step being back-propagated (a ``GradScaler``'s),
+            or ``None``; residuals are rescaled when it changes.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
                  compressor: Compressor, communicator: Communicator, op: int,
-                 prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False) -> None:
+                 prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
+                 loss_scale: Callable[[], torch.Tensor | None] | None = None) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicator = communicator
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.sparse_as_dense = sparse_as_dense
         self.residuals = ResidualStore()
+        self.loss_scale = loss_scale
+        self._residual_scale: torch.Tensor | None = None  # the loss scale the residuals are at
+        self._step_scale: torch.Tensor | None = None      # the loss scale of the step in flight
+        self._rescale: torch.Tensor | None = None         # their ratio, applied when residuals are added
+        self._step_open = False
+        self._wire_rounds = communicator.compression is not hvd.Compression.none
         self.steps = 0
         self.last_stats = StepStats()
         self.recorder = None  # a StepRecorder while the generator profiles this step
@@ -131,7 +173,7 @@ class Controller:
     # ---- plan ----------------------------------------------------------------------------
     def set_plan(self, plan: FusionPlan) -> None:
         """Switch to ``plan`` between steps; residuals are per parameter and carry over."""
-        if any(b.pending is not None or b.filled for b in getattr(self, "buffers", ())):
+        if self._step_open:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         plan.validate(self.params, {n: p.numel() for n, p in self.params.items()})
         self.plan = plan
@@ -145,6 +187,8 @@ class Controller:
         buf, slot = self._slot[id(p)]
         if slot in buf.filled:
             return
+        if not self._step_open:
+            self._open_step()
         rec, tl = self.recorder, self.timeline
         if rec:
             rec.gradient_ready(buf.names[slot])
@@ -156,6 +200,23 @@ class Controller:
             tl.gradient_ready(buf.names[slot], t)
         if rec:
             rec.hook_done()
+
+    def _open_step(self) -> None:
+        """The first gradient of a step: read its loss scale and how residuals must be rescaled."""
+        self._step_open = True
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        self._step_scale = scale
+        if scale is None or self._residual_scale is None or self.compressor.dense:
+            self._rescale = None
+        else:  # a 0-dim tensor: no host synchronisation, and it keeps the residual's dtype
+            self._rescale = (scale / self._residual_scale).reshape(())
+
+    def abandon_step(self) -> None:
+        """Drop the step in flight (a collective failed; Horovod elastic restores the last commit).
+        Residuals keep the values of the last completed step."""
+        for buf in self.buffers:
+            buf.reset()
+        self._step_open = False
 
     def _gradient(self, buf: FusionBuffer, slot: int) -> torch.Tensor:
         p, name = buf.params[slot], buf.names[slot]
@@ -179,6 +240,8 @@ class Controller:
         g = self._gradient(buf, slot)
         if self.compressor.dense:
             seg.copy_(g)
+        elif self._rescale is not None:
+            torch.addcmul(g, self.residuals.get(buf.names[slot], seg), self._rescale, out=seg)
         else:
             torch.add(g, self.residuals.get(buf.names[slot], seg), out=seg)
         buf.filled.add(slot)
@@ -188,22 +251,55 @@ class Controller:
     def _launch(self, buf: FusionBuffer) -> None:
         tl = self.timeline
         t = tl.mark() if tl else None
-        values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
-        if indices is None:
+        if self.compressor.dense:
+            values, indices = buf.flat, None
+        elif not _finite(buf.flat):
+            values, indices = self._poisoned(buf)
+        else:
+            values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
+            if indices is not None and self._wire_rounds:
+                values = self._round_for_wire(buf, values, indices)
+        if buf.poisoned:
+            pass  # residuals were left as they were
+        elif indices is None:
             for name in buf.names:
                 self.residuals.discard(name)  # everything was sent
         else:
             for slot, name in enumerate(buf.names):  # what stayed behind is the new residual
                 rest = buf.flat[buf.segment(slot)]
                 self.residuals.get(name, rest).copy_(rest)
-        buf.indices = indices  # counted in synchronize(), not here in the gradient hook
+        buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if tl:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
-        extra = {"residual": buf.flat if indices is not None else None} if self.communicator.wants_residual else {}
+        residual = buf.flat if indices is not None and not buf.poisoned else None
+        extra = {"residual": residual} if self.communicator.wants_residual else {}
         buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
                                               self.prescale, self.postscale, **extra)
         if tl:
             tl.submitted(buf.index, t)
+
+    def _poisoned(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer whose error-compensated gradient is not finite: keep the residuals as they
+        were (rescaled to this step's loss scale, non-finite elements cleared), select nothing,
+        and leave the compressor's state alone. The collective still runs, empty."""
+        buf.poisoned = True
+        for slot, name in enumerate(buf.names):
+            r = self.residuals.get(name, buf.flat[buf.segment(slot)])
+            if self._rescale is not None:
+                r.mul_(self._rescale)
+            torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)
+        return buf.flat[:0], torch.empty(0, dtype=torch.int64, device=buf.device)
+
+    def _round_for_wire(self, buf: FusionBuffer, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``values`` as Horovod's wire compression delivers them; the rounding error goes back
+        into the buffer's unselected rest (zero at ``indices``), i.e. into the residual. The
+        difference of a value and its rounding is exact in the value's dtype, so
+        ``rest + sent`` gives back the value bit for bit."""
+        compression = self.communicator.compression
+        wire, ctx = compression.compress(values)
+        sent = compression.decompress(wire, ctx).to(values.dtype)
+        buf.flat.index_copy_(0, indices, values - sent)
+        return sent
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
@@ -211,14 +307,17 @@ class Controller:
         rec, tl = self.recorder, self.timeline
         if tl:
             tl.synchronize_begins()
+        if not self._step_open:
+            self._open_step()
         for buf in self.buffers:  # same order on every rank
             if buf.pending is None:
                 for slot in range(len(buf.names)):
                     if slot not in buf.filled:
                         self._fill(buf, slot)
                 self._launch(buf)
+        hit = None if self.compressor.dense else self._poisoned_anywhere()  # a handle, resolved at first use
         stats = StepStats(buffers=len(self.buffers))
-        for buf in self.buffers:
+        for i, buf in enumerate(self.buffers):
             t = tl.mark() if tl else None
             buf.pending.collect()  # waiting: communication
             t0 = rec.clock.mark() if rec else None
@@ -226,6 +325,10 @@ class Controller:
             out = buf.pending.wait()  # decoding and write-back: computation after communication
             t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
+            if hit is not None and not isinstance(hit, list):
+                hit = [bool(f) for f in hvd.synchronize(hit).tolist()]
+            if hit is not None and hit[i]:
+                out, leftover = self._skipped(buf), None
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
                 if leftover is not None:
@@ -247,15 +350,36 @@ class Controller:
                 counts = buf.tensors.counts(buf.indices)
                 stats.selected += int(counts.sum())
                 stats.missing += int((counts == 0).sum())
-            buf.pending, buf.indices = None, None
-            buf.filled.clear()
+            buf.reset()
         self.steps += 1
+        self._residual_scale = self._step_scale
+        self._step_open = False
         self.last_stats = stats
         if rec:
             rec.synchronized()
         if tl:
             tl.synchronize_ends()
         return stats
+
+    def _poisoned_anywhere(self) -> int:
+        """Starts one small allreduce that counts, per buffer, the ranks whose gradient in it was
+        not finite; submitted after every buffer's collective, so that it waits behind none of
+        them. Returns Horovod's handle."""
+        flags = torch.tensor([int(b.poisoned) for b in self.buffers], dtype=torch.int32)
+        return hvd.allreduce_async(flags, op=hvd.Sum, name="saf.nonfinite",
+                                   process_set=self.communicator.process_set)
+
+    def _skipped(self, buf: FusionBuffer) -> torch.Tensor:
+        """A buffer some rank could not send (non-finite gradient): it arrives as NaN everywhere,
+        and a rank that did send takes it back into its residuals (gradient + residual, as if
+        nothing had been selected), so the step the user skips loses no finite gradient. At density
+        1 (everything sent, no residual) the step's gradient is dropped, as with Horovod."""
+        if not buf.poisoned and buf.indices is not None:
+            buf.flat.index_add_(0, buf.indices, buf.values)
+            for slot, name in enumerate(buf.names):
+                rest = buf.flat[buf.segment(slot)]
+                self.residuals.get(name, rest).copy_(rest)
+        return torch.full((buf.numel,), float("nan"), dtype=buf.dtype, device=buf.device)
 
     @staticmethod
     def _write_grad(p: torch.Tensor, flat: torch.Tensor) -> None:

@@ -15,7 +15,13 @@ Differences to Horovod, all deliberate:
   sparse values that ranks select independently;
 * ``groups`` becomes the fusion plan (one buffer per group), so it cannot be combined with ``fusion=``;
 * ``zero_grad`` accepts ``set_to_none`` like torch's;
-* ``state_dict()`` carries this rank's error-feedback residuals, so checkpoints lose nothing.
+* ``state_dict()`` also carries the error-feedback residuals, the compressor's and
+  communicator's state and the fusion plan, so a resumed job continues bit for bit;
+  ``state_dict(all_ranks=True)`` (a collective) gathers every rank's residuals, so one file
+  restores a job of any size without losing unsent gradient (see :meth:`load_state_dict`);
+* ``grad_scaler=`` keeps residuals right when a ``GradScaler``'s loss scale changes;
+* a step in which some rank's gradient is not finite arrives as NaN on every rank (the user's
+  check or GradScaler skips it, as with Horovod), and residuals stay finite.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from horovod.torch.mpi_ops import rocm_built
 
 from .communicators import Communicator, make_communicator
 from .compressors import Compressor, make_compressor
+from . import checkpoint
 from .controller import Controller, StepStats
 from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
 from .generator.online import OnlineGenerator
@@ -47,7 +54,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
-                 communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None):
+                 communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
+                 grad_scaler=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
 
@@ -109,11 +117,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._generator = OnlineGenerator(self._planner, profile_steps=profile_steps, replan_every=replan_every)
         plan = self._generator.initial_plan(self._tensors)
         self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
-                                      sparse_as_dense)
+                                      sparse_as_dense, loss_scale=_loss_scale(grad_scaler))
         recorder = make_recorder(timeline)
+        # Under Horovod elastic a worker may be built while the others are already training, so
+        # the collectives below wait for hvd.elastic.TorchState's sync, which every worker reaches.
+        self._awaiting_sync = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._world_size = self.process_set.size()
         if self.process_set.included():
-            check_plan_across_ranks(plan, self.process_set)
-            comm.setup(comp)  # may run collectives: every rank of the process set is here
+            if not self._awaiting_sync:
+                check_plan_across_ranks(plan, self.process_set)
+                comm.setup(comp)  # may run collectives: every rank of the process set is here
             self._register_hooks()
             if recorder is not None:
                 self._controller.timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
@@ -168,6 +181,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- Horovod's contract -------------------------------------------------------------------
     def load_state_dict(self, *args, **kwargs):
+        """Torch's ``load_state_dict`` plus horovod-safusion's state (see :meth:`state_dict`).
+
+        Residuals: with the world size of the checkpoint, each rank takes its own. With another
+        world size, a checkpoint saved with ``state_dict(all_ranks=True)`` moves old rank j's
+        residuals to rank ``j mod size`` (the job's total unsent gradient is kept); the fusion plan
+        is then profiled anew. A checkpoint without this rank's residuals (``state_dict()`` called
+        on rank 0 only), one from ``hvd.DistributedOptimizer``, or one saved with another
+        compressor or density loads with a warning and leaves the residuals as they are (empty in
+        a fresh process). A residual whose size does not fit its parameter is an error.
+        Not a collective: it may run on any subset of ranks (e.g. Horovod elastic's restore)."""
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -175,13 +198,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = self.backward_passes_per_step
         state_dict = dict(args[0] if args else kwargs.pop('state_dict'))
         saved = state_dict.pop(_STATE_KEY, None)
-        if saved is not None and saved.get('rank') == hvd.rank():
-            self._controller.residuals.load_state_dict(saved['residuals'])
         super(self.__class__, self).load_state_dict(state_dict, *args[1:], **kwargs)
+        self._controller.abandon_step()
+        if saved is None:
+            warnings.warn("the optimizer state holds no horovod_safusion state (saved by "
+                          "hvd.DistributedOptimizer?): error-feedback residuals start empty")
+            return
+        _load_safusion_state(self, saved)
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args, all_ranks: bool = False, **kwargs):
+        """Torch's ``state_dict`` plus, under ``"safusion"``: this rank's error-feedback residuals,
+        the compressor's and communicator's state, the fusion plan and profile, and the step count,
+        as tensors and plain data (``torch.load`` with ``weights_only=True`` reads it).
+
+        ``all_ranks=True`` gathers the residuals of every rank into the state of every rank. It is
+        a collective, like ``hvd.broadcast_optimizer_state``: call it on every rank (then save on
+        rank 0 alone if you like). Plain ``state_dict()`` is no collective, so the common
+        ``if hvd.rank() == 0: torch.save(optimizer.state_dict(), ...)`` keeps working; it saves
+        rank 0's residuals only, and the other ranks warn when such a checkpoint is loaded."""
         state = super(self.__class__, self).state_dict(*args, **kwargs)
-        state[_STATE_KEY] = {'rank': hvd.rank(), 'residuals': self._controller.residuals.state_dict()}
+        state[_STATE_KEY] = _safusion_state(self, all_ranks)
         return state
 
     def set_backward_passes_per_step(self, passes):
@@ -195,6 +231,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, p):
         def hook(*ignore):
+            if self._awaiting_sync:
+                raise RuntimeError("horovod_safusion.DistributedOptimizer under Horovod elastic must be "
+                                   "synchronised by hvd.elastic.TorchState: pass it as "
+                                   "hvd.elastic.TorchState(model, optimizer, ...) and train inside "
+                                   "@hvd.elastic.run")
             if self._handles.get(p):
                 if self._allreduce_delay[p] <= 0:
                     raise AssertionError(
@@ -311,7 +352,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          communicator: "str | Communicator" = "auto",
                          profile_steps: int = 10,
                          replan_every: int | None = None,
-                         timeline: "str | TimelineRecorder | None" = None):
+                         timeline: "str | TimelineRecorder | None" = None,
+                         grad_scaler: Any = None):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -345,6 +387,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                   or a ``horovod_safusion.timeline.TimelineRecorder`` (e.g. given the model, for
                   exact forward times). Default: ``$HOROVOD_SAFUSION_TIMELINE``, else off. Merge with
                   Horovod's Timeline by ``python -m horovod_safusion timeline merge``.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales this optimizer's loss, if any.
+                     Residuals hold scaled gradient; told the scaler, the optimizer rescales them
+                     when the scale changes, so training matches an unscaled run (bit for bit
+                     while scales are powers of two, GradScaler's default). Without it a changing
+                     scale distorts the residuals.
 
     The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
     ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
@@ -372,7 +419,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         raise ValueError(f"groups={groups!r} and fusion={fusion!r} both define the fusion buffers; "
                          "pass one of them")
 
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SAFusionOptimizer),
                dict(_DistributedOptimizer.__dict__,
                     # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with
                     # the *base* class's step() only when the optimizer's module is Horovod's; any
@@ -381,4 +428,132 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set,
                compressor=compressor, density=density, communicator=communicator, fusion=fusion,
-               profile_steps=profile_steps, replan_every=replan_every, timeline=timeline)
+               profile_steps=profile_steps, replan_every=replan_every, timeline=timeline,
+               grad_scaler=grad_scaler)
+
+
+class SAFusionOptimizer:
+    """Marks the optimizers ``DistributedOptimizer`` makes (for ``isinstance`` checks and for
+    Horovod elastic's state handlers)."""
+
+
+def _elastic_sync(opt) -> None:
+    """After a Horovod elastic reset (and when training starts), on every worker: drop the step
+    that failed, take rank 0's fusion plan, generator state, step count and communicator state
+    (a joining worker has none), and profile again if the world size changed. Residuals stay
+    with the worker that holds them, so none is duplicated; those of a worker that died are lost
+    with it, as its gradient of the failed step."""
+    ctl, gen, ps = opt._controller, opt._generator, opt.process_set
+    opt._handles = {}
+    for p in opt._allreduce_delay:
+        opt._allreduce_delay[p] = opt.backward_passes_per_step
+    ctl.abandon_step()
+    ctl.recorder = None
+    rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "generator": gen.state_dict(), "steps": ctl.steps,
+                                  "world_size": opt._world_size, "communicator": ctl.communicator.state_dict()},
+                                 root_rank=0, name="saf.elastic.sync", process_set=ps)
+    ctl.communicator.load_state_dict(rank0["communicator"])
+    ctl.communicator.setup(ctl.compressor)
+    gen.load_state_dict(rank0["generator"])
+    ctl.steps = rank0["steps"]
+    plan = FusionPlan.from_json(rank0["plan"])
+    ctl.set_plan(plan)
+    if rank0["world_size"] != ps.size():
+        gen.restart()
+    opt._world_size = ps.size()
+    check_plan_across_ranks(plan, ps)
+    opt._awaiting_sync = False
+
+
+def _loss_scale(scaler: Any):
+    """A function returning the scale ``scaler`` multiplies the loss by now, or ``None``.
+
+    GradScaler keeps it in the 1-element tensor ``_scale`` (made by its first ``scale()``, updated
+    in place by ``update()``); reading the tensor, not ``get_scale()``, avoids a host
+    synchronisation on GPUs."""
+    if scaler is None:
+        return None
+    if not hasattr(scaler, "is_enabled") or not hasattr(scaler, "get_scale"):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler (or None), got {scaler!r}")
+
+    def scale():
+        if not scaler.is_enabled():
+            return None
+        current = getattr(scaler, "_scale", None)
+        if isinstance(current, torch.Tensor):
+            return current.detach().reshape(()).to(torch.float32).clone()
+        return torch.tensor(float(scaler.get_scale()), dtype=torch.float32)
+    return scale
+
+
+def _safusion_state(opt, all_ranks: bool) -> dict:
+    ctl, gen = opt._controller, opt._generator
+    residuals = ctl.residuals.state_dict()
+    size, rank = opt.process_set.size(), opt.process_set.rank()
+    if all_ranks and size > 1:
+        per_rank = dict(enumerate(hvd.allgather_object(residuals, name="saf.state_dict",
+                                                       process_set=opt.process_set)))
+    else:
+        per_rank = {rank: residuals}
+    return {
+        "format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
+        "residuals": per_rank, "steps": ctl.steps,
+        "loss_scale": ctl._residual_scale,
+        "compressor": {"class": type(ctl.compressor).__name__, "density": ctl.compressor.density,
+                       "state": ctl.compressor.state_dict()},
+        "communicator": {"class": type(ctl.communicator).__name__, "state": ctl.communicator.state_dict()},
+        "plan": ctl.plan.to_json(), "generator": gen.state_dict(),
+    }
+
+
+def _load_safusion_state(opt, saved: dict) -> None:
+    ctl, gen = opt._controller, opt._generator
+    size, rank = opt.process_set.size(), opt.process_set.rank()
+    old_size = int(saved["world_size"])
+    comp = saved["compressor"]
+    same_compressor = comp["class"] == type(ctl.compressor).__name__ and comp["density"] == ctl.compressor.density
+    if not same_compressor:
+        warnings.warn(f"the checkpoint was saved with compressor {comp['class']} at density {comp['density']}; "
+                      f"this optimizer uses {type(ctl.compressor).__name__} at density {ctl.compressor.density}: "
+                      "error-feedback residuals and compressor state start empty")
+        ctl.residuals.load_state_dict({})
+    else:
+        ctl.compressor.load_state_dict(comp["state"])
+        _load_residuals(opt, saved["residuals"], old_size, bool(saved["all_ranks"]), size, rank)
+        ctl._residual_scale = saved.get("loss_scale")
+    if saved["communicator"]["class"] == type(ctl.communicator).__name__ and old_size == size:
+        ctl.communicator.load_state_dict(saved["communicator"]["state"])
+    ctl.steps = int(saved["steps"])
+    ctl.recorder = None
+    gen.load_state_dict(saved["generator"])
+    plan = FusionPlan.from_json(saved["plan"])
+    if old_size == size and set(plan.names) == set(ctl.params):
+        ctl.set_plan(plan)
+    else:  # other costs (world size) or other parameters: profile again, from the plan in use
+        gen.restart()
+
+
+def _load_residuals(opt, per_rank: dict, old_size: int, gathered: bool, size: int, rank: int) -> None:
+    ctl = opt._controller
+    if old_size != size and gathered:
+        mine = checkpoint.redistribute(per_rank, old_size, size, rank)
+    elif rank in per_rank and old_size == size:
+        mine = per_rank[rank]
+    else:
+        held = sorted(r for r, res in per_rank.items() if res)
+        if held:
+            warnings.warn(f"the checkpoint holds the error-feedback residuals of rank(s) {held} of a job of "
+                          f"{old_size}, not those of rank {rank} of this job of {size}: rank {rank} keeps its "
+                          "own (none in a fresh process). Save with optimizer.state_dict(all_ranks=True) on "
+                          "every rank to keep every rank's unsent gradient")
+        return
+    for name, r in mine.items():
+        p = ctl.params.get(name)
+        if p is None:
+            raise ValueError(f"the checkpoint holds a residual for {name!r}, which is not a trainable "
+                             f"parameter of this optimizer; parameters: {sorted(ctl.params)[:8]}...")
+        if r.numel() != p.numel():
+            raise ValueError(f"the checkpoint's residual for {name!r} has {r.numel()} elements; the "
+                             f"parameter has {p.numel()} (shape {tuple(p.shape)})")
+    ctl.residuals.load_state_dict({n: r.to(device=ctl.params[n].device, dtype=ctl.params[n].dtype)
+                                   for n, r in mine.items()})

@@ -14,7 +14,12 @@ from typing import Any, Callable, ClassVar
 import torch
 import horovod.torch as hvd
 
+from ..checkpoint import Stateful
 from ..registry import Registry
+
+
+#: Communicators that keep per-step statistics (``history``) keep this many, so long jobs do not grow.
+HISTORY = 10_000
 
 
 class Pending:
@@ -64,7 +69,7 @@ class Pending:
         return self._result
 
 
-class Communicator(ABC):
+class Communicator(Stateful, ABC):
     """Synchronises fusion buffers across the ranks of a process set.
 
     Args:

@@ -27,6 +27,7 @@ this implementation keeps ExDyna's traffic properties but not its parallelised s
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,7 @@ import horovod.torch as hvd
 
 from .. import wire
 from ..compressors.exdyna import ExDyna
-from .base import Communicator, Pending, register_communicator
+from .base import HISTORY, Communicator, Pending, register_communicator
 
 
 @dataclass
@@ -121,6 +122,8 @@ class ExDynaCommunicator(Communicator):
 
     wants_residual = True
 
+    state_fields = ("partitions", "steps")  # carried by the optimizer's state_dict()
+
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, alpha: float = 1.1,
                  blk_move: int = 2, min_blk: int = 1, blocks_per_worker: int = 64) -> None:
         super().__init__(process_set, compression)
@@ -133,7 +136,7 @@ class ExDynaCommunicator(Communicator):
         self.compressor = None
         self.partitions: dict[str, Partitions] = {}
         self.steps: dict[str, int] = {}
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY)  # the last HISTORY buffer synchronisations
 
     def setup(self, compressor) -> None:
         if not isinstance(compressor, ExDyna):

@@ -85,6 +85,8 @@ class SparDL(Communicator):
             R-SAG (d a power of two) or B-SAG (otherwise) between the teams.
     """
 
+    state_fields = ("h_state",)  # carried by the optimizer's state_dict()
+
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1) -> None:
         super().__init__(process_set, compression)
         if not isinstance(teams, int) or teams < 1:

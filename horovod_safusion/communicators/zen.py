@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 
 import numpy as np
 import torch
 import horovod.torch as hvd
 
-from .base import Communicator, Pending, register_communicator
+from .base import HISTORY, Communicator, Pending, register_communicator
 from .p2p import Exchange, RowCodec, send_to
 from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
 
@@ -54,6 +55,8 @@ class Zen(Communicator):
         seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
     """
 
+    state_fields = ("seed", "choice", "gamma_stats", "_measured")  # carried by the optimizer's state_dict()
+
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
                  profile_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
                  seed: int | None = None) -> None:
@@ -73,7 +76,7 @@ class Zen(Communicator):
         self.choice: dict[str, str] = {}  # per buffer tag, once decided
         self.gamma_stats: dict[str, np.ndarray] = {}  # the worker-averaged measurements behind it
         self._measured: dict[str, list[np.ndarray]] = {}
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY)  # the last HISTORY buffer synchronisations
 
     def setup(self, compressor) -> None:
         if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checkpoint import Stateful
 from ..registry import Registry
 from ..segment import Segments
 
@@ -28,13 +29,16 @@ def check_density(density: float) -> float:
     return float(density)
 
 
-class Compressor(ABC):
+class Compressor(Stateful, ABC):
     """Selects elements of a flat buffer, per segment.
 
     Attributes:
         density: target fraction of elements selected per segment (0 < density <= 1).
         dense: ``True`` for compressors that always keep every element; the controller then
             skips selection and the default communicator becomes a dense allreduce.
+        state_fields: the attributes that change from step to step (thresholds, generators):
+            the optimizer's ``state_dict()`` carries them, so a resumed job selects exactly as an
+            uninterrupted one.
     """
 
     name: ClassVar[str] = "?"

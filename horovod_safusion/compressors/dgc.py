@@ -46,6 +46,7 @@ class DGC(PeriodicThreshold):
         self._gen = torch.Generator().manual_seed(seed)
 
     max_effort = 6  # a sample up to 64 times larger
+    state_fields = PeriodicThreshold.state_fields + ("_gen",)
 
     def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
         """Per segment, the ``(1 − density)`` quantile of a random sample of its ``|x|``, the

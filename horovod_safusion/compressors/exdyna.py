@@ -49,6 +49,8 @@ class ExDyna(ThresholdCompressor):
         relative: keep δ in units of the segment's mean magnitude (see above).
     """
 
+    state_fields = ("_threshold",)
+
     def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.01,
                  relative: bool = True) -> None:
         super().__init__(density)

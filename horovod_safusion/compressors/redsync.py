@@ -23,6 +23,8 @@ class RedSync(ThresholdCompressor):
         iterations: at most this many bisection passes per step.
     """
 
+    state_fields = ("_ratio",)
+
     def __init__(self, density: float = 0.01, iterations: int = 8) -> None:
         super().__init__(density)
         self.iterations = int(iterations)

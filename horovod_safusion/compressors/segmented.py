@@ -377,6 +377,8 @@ class NumbaKernels:
     @staticmethod
     def to_indices(idx: np.ndarray) -> torch.Tensor:
         """A tensor of its own (``idx`` may be scratch memory that the next selection reuses)."""
+        if not len(idx):  # torch.from_numpy gives an empty array stride 0, which breaks byte views
+            return torch.empty(0, dtype=torch.int64)
         return torch.from_numpy(idx.astype(np.int64, copy=True))
 
 

@@ -265,6 +265,7 @@ class PeriodicThreshold(ThresholdCompressor):
         self._unit = np.ones(0)  # this step's mean |x| per segment
 
     max_effort: int = 0  # the largest ``effort`` that :meth:`estimate` distinguishes
+    state_fields = ("_threshold", "_estimated_at", "_effort")
 
     @abstractmethod
     def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:

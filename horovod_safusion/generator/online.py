@@ -21,6 +21,7 @@ at the end of the step, so hooks never wait for the device to measure time).
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -118,6 +119,28 @@ class OnlineGenerator:
         if self.profile is not None:
             return self.planner.plan(tensors, self.profile)
         return FusionPlan([[t.name] for t in tensors], order=self.planner.order, planner="provisional")
+
+    def restart(self) -> None:
+        """Profile again from the next step on (after ``warmup_steps``), on the current plan: after
+        a change of world size, whose costs differ. Every rank must restart at the same step."""
+        if not self.planner.needs_profile:
+            return
+        self.profile, self._samples = None, []
+        self._record_from = self.steps + self.warmup_steps
+
+    def state_dict(self) -> dict:
+        """Where the loop stands: steps, the next profiled step and the profile (JSON). Timings of a
+        profile under way are not kept: a resumed job measures that profile again."""
+        return {"steps": self.steps, "record_from": self._record_from,
+                "profile": None if self.profile is None else json.dumps(self.profile.to_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.profile = None if state["profile"] is None else Profile.from_dict(json.loads(state["profile"]))
+        self._samples = []
+        record_from = state["record_from"]
+        # a profile under way starts again at the next step
+        self._record_from = None if record_from is None else max(int(record_from), self.steps)
 
     # ---- called by the optimizer at the end of every step() ------------------------------------
     def step_ends(self, controller, tensors: Sequence[TensorInfo], process_set) -> None:

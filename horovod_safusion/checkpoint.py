@@ -1,0 +1,104 @@
+"""What a checkpoint holds of horovod-safusion, and how residuals move between world sizes.
+
+Error feedback is state like momentum: every unsent gradient element waits in a rank's residual,
+and compressors and communicators carry decisions from step to step (thresholds, sampling
+generators, ExDyna's partitions, SparDL's B-SAG ``h``, ZEN's hash seed and scheme choice). A resume
+that drops any of it changes the results, and one that drops residuals loses gradient.
+
+Everything here is encoded as tensors, numbers, strings, lists, tuples and dicts, so that a
+checkpoint loads with ``torch.load(path)`` under its default ``weights_only=True``.
+
+Residuals are per rank. :func:`redistribute` maps the residuals of a job of P ranks onto a job of
+Q ranks so that the job's total unsent gradient is kept: old rank j's residual goes to new rank
+``j mod Q`` (summed in old-rank order where several land on one rank). Growing (Q > P) moves
+every residual unchanged, so the total is bit for bit the same; shrinking sums in float, in the
+order a sum over old ranks takes.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+
+_OBJECT, _ARRAY, _GENERATOR = "__object__", "__ndarray__", "__generator__"
+
+
+def encode(value: Any) -> Any:
+    """``value`` as tensors and plain Python data (inverse: :func:`decode`)."""
+    if isinstance(value, torch.Generator):
+        return {_GENERATOR: value.get_state()}
+    if isinstance(value, np.ndarray):
+        return {_ARRAY: torch.from_numpy(value.copy()) if value.size else torch.empty(0, dtype=_torch_dtype(value))}
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(encode(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    cls = type(value)
+    if not cls.__module__.startswith(__package__ + "."):
+        raise TypeError(f"cannot checkpoint a {cls.__module__}.{cls.__qualname__}")
+    return {_OBJECT: f"{cls.__module__}:{cls.__qualname__}", "state": encode(vars(value))}
+
+
+def decode(value: Any) -> Any:
+    """The object :func:`encode` encoded (classes only from this package)."""
+    if isinstance(value, dict):
+        if _GENERATOR in value:
+            gen = torch.Generator()
+            gen.set_state(value[_GENERATOR])
+            return gen
+        if _ARRAY in value:
+            return value[_ARRAY].numpy().copy()
+        if _OBJECT in value:
+            module, qualname = value[_OBJECT].split(":")
+            if not module.startswith(__package__ + "."):
+                raise ValueError(f"refusing to rebuild {value[_OBJECT]!r} from a checkpoint")
+            cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            obj = cls.__new__(cls)
+            obj.__dict__.update(decode(value["state"]))
+            return obj
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(decode(v) for v in value)
+    return value
+
+
+def _torch_dtype(a: np.ndarray) -> torch.dtype:
+    return torch.from_numpy(np.zeros(1, dtype=a.dtype)).dtype
+
+
+class Stateful:
+    """Mixin: ``state_dict()`` / ``load_state_dict()`` over the attributes named in
+    :attr:`state_fields` — what changes from step to step, never the constructor's settings."""
+
+    state_fields: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f: encode(getattr(self, f)) for f in self.state_fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in self.state_fields:
+            if f in state:
+                setattr(self, f, decode(state[f]))
+
+
+def redistribute(residuals: dict[int, dict[str, torch.Tensor]], old_size: int, new_size: int,
+                 rank: int) -> dict[str, torch.Tensor]:
+    """This rank's residuals when the residuals of every old rank (``residuals[j]``, j < old_size)
+    move to a job of ``new_size`` ranks: old rank j goes to new rank ``j mod new_size``."""
+    mine: dict[str, torch.Tensor] = {}
+    for j in range(old_size):
+        if j % new_size != rank:
+            continue
+        for name, r in residuals[j].items():
+            mine[name] = r.clone() if name not in mine else mine[name] + r
+    return mine
