@@ -17,10 +17,12 @@ order a sum over old ranks takes.
 from __future__ import annotations
 
 import importlib
+import io
 from typing import Any
 
 import numpy as np
 import torch
+import horovod.torch as hvd
 
 _OBJECT, _ARRAY, _GENERATOR = "__object__", "__ndarray__", "__generator__"
 
@@ -102,3 +104,15 @@ def redistribute(residuals: dict[int, dict[str, torch.Tensor]], old_size: int, n
         for name, r in residuals[j].items():
             mine[name] = r.clone() if name not in mine else mine[name] + r
     return mine
+
+
+def gather(obj: Any, name: str, process_set: Any) -> list[Any]:
+    """Every rank's ``obj`` (tensors and plain data), in rank order, on every rank of
+    ``process_set`` — ``hvd.allgather_object`` for any process set (Horovod 0.28's takes none)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    gathered = hvd.allgather(data, name=f"{name}.bytes", process_set=process_set)
+    return [torch.load(io.BytesIO(part.numpy().tobytes()))
+            for part in torch.split(gathered, sizes.tolist())]

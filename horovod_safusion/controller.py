@@ -15,11 +15,11 @@ Three rules keep error feedback exact in real training loops:
 * **Non-finite gradients** (a NaN batch, a loss-scale overflow): a buffer whose
   error-compensated gradient is not finite is not selected from on that rank. It leaves the
   residuals as they were (non-finite residual elements are cleared) and sends nothing. One small
-  allreduce per step tells every rank which buffers were hit anywhere, and those arrive as NaN on
-  every rank. So the user's finiteness check (or GradScaler's) skips the step on all ranks, as
-  with Horovod. A rank whose own gradient was finite takes back what it sent for such a buffer
-  (its residual becomes gradient + residual), so only the non-finite rank's gradient of that step
-  is dropped, and no rank keeps a NaN or stops sending.
+  allreduce per step tells every rank whether any rank was hit; if so, every gradient of the step
+  arrives as NaN on every rank, so the user's finiteness check (or GradScaler's) skips the step on
+  all ranks, as with Horovod. Every finite buffer takes back what it sent (its residual becomes
+  gradient + residual), so only the non-finite buffers' gradient of that step is dropped, and no
+  rank keeps a NaN or stops sending.
 * **Loss scaling**: with a ``GradScaler`` (``loss_scale`` set), residuals are kept at the scale of
   the step that made them and rescaled by ``new_scale / old_scale`` when added to the next
   gradient, so a changing scale neither inflates nor shrinks them.
@@ -317,7 +317,7 @@ class Controller:
                 self._launch(buf)
         hit = None if self.compressor.dense else self._poisoned_anywhere()  # a handle, resolved at first use
         stats = StepStats(buffers=len(self.buffers))
-        for i, buf in enumerate(self.buffers):
+        for buf in self.buffers:
             t = tl.mark() if tl else None
             buf.pending.collect()  # waiting: communication
             t0 = rec.clock.mark() if rec else None
@@ -325,9 +325,9 @@ class Controller:
             out = buf.pending.wait()  # decoding and write-back: computation after communication
             t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
-            if hit is not None and not isinstance(hit, list):
-                hit = [bool(f) for f in hvd.synchronize(hit).tolist()]
-            if hit is not None and hit[i]:
+            if hit is not None and not isinstance(hit, bool):
+                hit = bool(hvd.synchronize(hit).item())
+            if hit:
                 out, leftover = self._skipped(buf), None
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
@@ -362,18 +362,19 @@ class Controller:
         return stats
 
     def _poisoned_anywhere(self) -> int:
-        """Starts one small allreduce that counts, per buffer, the ranks whose gradient in it was
-        not finite; submitted after every buffer's collective, so that it waits behind none of
-        them. Returns Horovod's handle."""
-        flags = torch.tensor([int(b.poisoned) for b in self.buffers], dtype=torch.int32)
+        """Starts one small allreduce that counts the non-finite buffers of all ranks; submitted
+        after every buffer's collective, so that it waits behind none of them. Returns Horovod's
+        handle."""
+        flags = torch.tensor([sum(b.poisoned for b in self.buffers)], dtype=torch.int32)
         return hvd.allreduce_async(flags, op=hvd.Sum, name="saf.nonfinite",
                                    process_set=self.communicator.process_set)
 
     def _skipped(self, buf: FusionBuffer) -> torch.Tensor:
-        """A buffer some rank could not send (non-finite gradient): it arrives as NaN everywhere,
-        and a rank that did send takes it back into its residuals (gradient + residual, as if
-        nothing had been selected), so the step the user skips loses no finite gradient. At density
-        1 (everything sent, no residual) the step's gradient is dropped, as with Horovod."""
+        """A step some rank could not send (non-finite gradient): the buffer arrives as NaN
+        everywhere, and if this rank sent it, it takes it back into its residuals (gradient +
+        residual, as if nothing had been selected), so the step the user skips loses no finite
+        gradient. At density 1 (everything sent, no residual) the step's gradient is dropped, as
+        with Horovod."""
         if not buf.poisoned and buf.indices is not None:
             buf.flat.index_add_(0, buf.indices, buf.values)
             for slot, name in enumerate(buf.names):

@@ -487,21 +487,21 @@ def _loss_scale(scaler: Any):
 
 
 def _safusion_state(opt, all_ranks: bool) -> dict:
+    """What ``state_dict()`` adds: per rank (this one, or all with ``all_ranks``) the residuals and
+    the compressor's and communicator's state; for the job, the plan, the generator and the step."""
     ctl, gen = opt._controller, opt._generator
-    residuals = ctl.residuals.state_dict()
     size, rank = opt.process_set.size(), opt.process_set.rank()
+    local = {"residuals": ctl.residuals.state_dict(), "compressor": ctl.compressor.state_dict(),
+             "communicator": ctl.communicator.state_dict()}
     if all_ranks and size > 1:
-        per_rank = dict(enumerate(hvd.allgather_object(residuals, name="saf.state_dict",
-                                                       process_set=opt.process_set)))
+        per_rank = dict(enumerate(checkpoint.gather(local, "saf.state_dict", opt.process_set)))
     else:
-        per_rank = {rank: residuals}
+        per_rank = {rank: local}
     return {
         "format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
-        "residuals": per_rank, "steps": ctl.steps,
-        "loss_scale": ctl._residual_scale,
-        "compressor": {"class": type(ctl.compressor).__name__, "density": ctl.compressor.density,
-                       "state": ctl.compressor.state_dict()},
-        "communicator": {"class": type(ctl.communicator).__name__, "state": ctl.communicator.state_dict()},
+        "ranks": per_rank, "steps": ctl.steps, "loss_scale": ctl._residual_scale,
+        "compressor": type(ctl.compressor).__name__, "density": ctl.compressor.density,
+        "communicator": type(ctl.communicator).__name__,
         "plan": ctl.plan.to_json(), "generator": gen.state_dict(),
     }
 
@@ -509,20 +509,21 @@ def _safusion_state(opt, all_ranks: bool) -> dict:
 def _load_safusion_state(opt, saved: dict) -> None:
     ctl, gen = opt._controller, opt._generator
     size, rank = opt.process_set.size(), opt.process_set.rank()
-    old_size = int(saved["world_size"])
-    comp = saved["compressor"]
-    same_compressor = comp["class"] == type(ctl.compressor).__name__ and comp["density"] == ctl.compressor.density
-    if not same_compressor:
-        warnings.warn(f"the checkpoint was saved with compressor {comp['class']} at density {comp['density']}; "
-                      f"this optimizer uses {type(ctl.compressor).__name__} at density {ctl.compressor.density}: "
-                      "error-feedback residuals and compressor state start empty")
+    old_size, per_rank = int(saved["world_size"]), saved["ranks"]
+    # this rank's own state where the checkpoint has it, else that of the rank it takes over from
+    source = per_rank.get(rank if old_size == size else rank % old_size) or next(iter(per_rank.values()))
+    if saved["compressor"] != type(ctl.compressor).__name__ or saved["density"] != ctl.compressor.density:
+        warnings.warn(f"the checkpoint was saved with compressor {saved['compressor']} at density "
+                      f"{saved['density']}; this optimizer uses {type(ctl.compressor).__name__} at density "
+                      f"{ctl.compressor.density}: error-feedback residuals and compressor state start empty")
         ctl.residuals.load_state_dict({})
     else:
-        ctl.compressor.load_state_dict(comp["state"])
-        _load_residuals(opt, saved["residuals"], old_size, bool(saved["all_ranks"]), size, rank)
-        ctl._residual_scale = saved.get("loss_scale")
-    if saved["communicator"]["class"] == type(ctl.communicator).__name__ and old_size == size:
-        ctl.communicator.load_state_dict(saved["communicator"]["state"])
+        ctl.compressor.load_state_dict(source["compressor"])
+        _load_residuals(opt, {r: v["residuals"] for r, v in per_rank.items()}, old_size,
+                        bool(saved["all_ranks"]), size, rank)
+        ctl._residual_scale = saved["loss_scale"]
+    if saved["communicator"] == type(ctl.communicator).__name__ and old_size == size:
+        ctl.communicator.load_state_dict(source["communicator"])
     ctl.steps = int(saved["steps"])
     ctl.recorder = None
     gen.load_state_dict(saved["generator"])

@@ -1,13 +1,19 @@
 """``randomk``: k random elements per segment, the same on every rank (Stich et al., NeurIPS'18).
 
-Positions come from a generator seeded by ``(seed, step)``, which every rank shares, so all ranks
-select the same indices in a step; error feedback keeps what was not sent. It is the cheapest
+Positions come from a counter-based hash (SplitMix64) of ``(seed, step, segment name, draw)``,
+which every rank shares, so all ranks select the same indices in a step; error feedback keeps what
+was not sent. Keyed by the segment's name, a tensor's positions do not depend on which fusion
+buffer holds it or where, so a new fusion plan (planned from measured, hence varying, timings)
+does not change the selection. It is the cheapest
 selection (no pass over the values) and the usual lower baseline for magnitude-based compressors.
 Positions are drawn uniformly with replacement and duplicates collapse, so a segment sends
 ``k·(1 − k/2n)`` distinct elements on average — within 0.5 % of ``k`` at density 0.01.
 """
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import torch
 
 from ..segment import Segments
@@ -30,10 +36,21 @@ class RandomK(Compressor):
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
             return None
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        ks = segments.k(self.density)
-        u = torch.rand(int(ks.sum()), generator=gen, dtype=torch.float64)
-        sizes = torch.tensor(segments.sizes, dtype=torch.float64)
-        owner = torch.repeat_interleave(torch.arange(len(segments)), ks)
-        pos = (u * sizes[owner]).to(torch.int64) + torch.tensor(segments.offsets)[owner]
-        return torch.unique(pos).to(flat.device)
+        ks = segments.k_array(self.density)
+        keys = np.array([zlib.crc32(n.encode()) for n in segments.names], dtype=np.uint64)
+        owner = np.repeat(np.arange(len(ks)), ks)
+        draw = np.arange(len(owner), dtype=np.uint64) - np.repeat(np.cumsum(ks) - ks, ks).astype(np.uint64)
+        key = _splitmix64(np.uint64(self.seed & (2**64 - 1)) ^ (np.uint64(step) << np.uint64(32)))
+        bits = _splitmix64(_splitmix64(key ^ keys[owner]) ^ draw) >> np.uint64(11)  # 53 random bits
+        u = bits.astype(np.float64) * 2.0 ** -53  # uniform in [0, 1), exactly
+        pos = np.unique((u * segments.size_array[owner]).astype(np.int64) + segments.offset_array[owner])
+        return torch.from_numpy(pos).to(flat.device)
+
+
+def _splitmix64(x: np.ndarray | np.uint64) -> np.ndarray:
+    """SplitMix64's finaliser (Steele et al., OOPSLA'14): a bijective mix of 64-bit counters."""
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the point
+        x = np.asarray(x, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))

@@ -11,7 +11,7 @@ no completion time for an asynchronous collective, and waiting for one inside a 
 deadlocks ranks whose graphs differ (a parameter used on one rank only). Measurements are reduced
 across ranks — back-propagation and compression times by the element-wise maximum (the slowest
 rank sets the pace), collective times by the minimum (the last rank to arrive sees the
-collective's own duration, the others also their wait for it) — so every rank builds the same
+collective's own duration, the others also their wait for it), message sizes by the maximum — so every rank builds the same
 :class:`Profile` and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing is lost across the switch. ``replan_every=R``
 re-profiles (on the current plan) every R steps.
 
@@ -178,6 +178,9 @@ class OnlineGenerator:
         slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "safusion.profile.max",
                              process_set)
         cm_secs = _allreduce(cm_secs, hvd.Min, "safusion.profile.min", process_set)
+        # what a rank sends depends on its data in some protocols (ZEN's hash partitions): the
+        # curve's sizes must be the same on every rank, or so would not be the plans
+        cm_bytes = _allreduce(cm_bytes, hvd.Max, "safusion.profile.bytes", process_set)
         L, C = len(names), len(cp_secs)
         ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
 

@@ -139,7 +139,7 @@ def test_state_dict_keeps_this_ranks_residuals(hvd):
     backward(m)
     opt.step()
     state = opt.state_dict()
-    held = {n: r.clone() for n, r in state["safusion"]["residuals"][0].items()}
+    held = {n: r.clone() for n, r in state["safusion"]["ranks"][0]["residuals"].items()}
     assert any(r.abs().sum() > 0 for r in held.values())
     m2, sgd2 = model_and_sgd()
     opt2 = saf.DistributedOptimizer(sgd2, named_parameters=m2.named_parameters(), compressor="topk", density=0.1)
