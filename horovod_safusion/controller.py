@@ -212,8 +212,9 @@ class Controller:
             self._rescale = (scale / self._residual_scale).reshape(())
 
     def abandon_step(self) -> None:
-        """Drop the step in flight (a collective failed; Horovod elastic restores the last commit).
-        Residuals keep the values of the last completed step."""
+        """Drop the step in flight (a collective failed, or a state is being loaded). Buffers
+        already launched have updated their residuals; Horovod elastic's restore then loads the
+        residuals of the last commit."""
         for buf in self.buffers:
             buf.reset()
         self._step_open = False
