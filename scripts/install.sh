@@ -4,13 +4,19 @@
 #   torch, the scientific stack, mpi4py and Horovod 0.28.1 (PyTorch + Gloo + MPI),
 #   and this package in editable mode.
 # Horovod 0.28.1 ships only as an sdist that needs C++17 against current PyTorch; the built
-# wheel is cached outside the repository, keyed by Horovod, torch and Python versions, so a
-# second install takes seconds.
+# wheel is cached outside the repository, keyed by Horovod, torch and Python versions and our
+# patch level, so a second install takes seconds.
+# Patch "gil1": Horovod's PyTorch binding holds the GIL while it enqueues a collective, and its
+# background thread, shutting down after a peer died (Horovod elastic), holds the process-set
+# table lock while it drops tensors, which needs the GIL: the two deadlock (seen in about 1 of 4
+# elastic recoveries here). The async enqueue functions now release the GIL, as Horovod already
+# does for waiting (horovod/horovod#3353); they touch no Python object.
 set -euo pipefail
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 HVD_VERSION=0.28.1
+HVD_PATCHES=gil1
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 CACHE=${HOROVOD_SAFUSION_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-safusion}
 
@@ -55,10 +61,13 @@ have_hvd() {
 import horovod, horovod.torch as hvd
 assert horovod.__version__ == "$HVD_VERSION"
 assert hvd.gloo_built() and hvd.mpi_built()
+import os
+with open(os.path.join(os.path.dirname(horovod.__file__), "SAFUSION_PATCHES")) as f:
+    assert f.read().strip() == "$HVD_PATCHES"
 PYEOF
 }
 if ! have_hvd; then
-  key=$("$PY" -c "import sys, torch; print(f'horovod-$HVD_VERSION-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}')")
+  key=$("$PY" -c "import sys, torch; print(f'horovod-$HVD_VERSION-$HVD_PATCHES-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}')")
   wheeldir="$CACHE/wheels/$key"
   if ! ls "$wheeldir"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HVD_VERSION against torch (about 6 minutes on 2 cores) -> $wheeldir"
@@ -70,6 +79,10 @@ if ! have_hvd; then
     # PyTorch >= 2.1 headers require C++17; the sdist pins C++14 in two places.
     sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' \
       "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    # gil1: release the GIL in every async enqueue of the PyTorch binding (see the top)
+    perl -0pi -e 's/(m\.def\("horovod_torch_\w+_async_torch_\w+",\s*&Do\w+)\);/$1, py::call_guard<py::gil_scoped_release>());/g' \
+      "$src/horovod/torch/mpi_ops_v2.cc"
+    grep -q 'gil_scoped_release>());' "$src/horovod/torch/mpi_ops_v2.cc" || { echo "the gil1 patch did not apply" >&2; exit 1; }
     mkdir -p "$wheeldir"
     (cd "$src" && HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
       HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
@@ -80,6 +93,7 @@ if ! have_hvd; then
   fi
   log "installing cached Horovod wheel from $wheeldir"
   "${PIP[@]}" --no-deps --force-reinstall "$wheeldir"/horovod-*.whl
+  echo "$HVD_PATCHES" > "$("$PY" -c 'import horovod, os; print(os.path.dirname(horovod.__file__))')/SAFUSION_PATCHES"
   have_hvd || { echo "Horovod installed but horovod.torch does not import with Gloo and MPI" >&2; exit 1; }
 fi
 

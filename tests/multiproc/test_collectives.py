@@ -5,12 +5,11 @@ and short end-to-end trainings with ``fusion="safusion"`` (2 and 3 workers).
 """
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
+
+from launch import horovodrun, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "collectives_worker.py")
@@ -27,20 +26,12 @@ def launch(config, tmp_path_factory):
     if config not in _cache:
         np_, scenarios = CONFIGS[config]
         out = tmp_path_factory.mktemp(config)
-        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-        cmd = [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
                sys.executable, WORKER, str(out), scenarios]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # so that a hung job can be killed whole
-        try:
-            out_text, err_text = proc.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out_text, err_text = proc.communicate()
-            err_text += f"\n*** killed after {LAUNCH_TIMEOUT} s (hang) ***"
+        proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = [json.loads(p.read_text()) if p.exists() else {} for p in
                    (out / f"rank{r}.json" for r in range(np_))]
-        _cache[config] = (subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text), records)
+        _cache[config] = (proc, records)
     return _cache[config]
 
 

@@ -6,12 +6,11 @@ Gloo (not a power of two).
 """
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
+
+from launch import horovodrun, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"gloo-2": ("--gloo", 2), "mpi-2": ("--mpi", 2), "gloo-3": ("--gloo", 3)}
@@ -23,19 +22,9 @@ def launch(config, tmp_path_factory):
     if config not in _cache:
         transport, np_ = CONFIGS[config]
         out = tmp_path_factory.mktemp(config)
-        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-        cmd = [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", transport,
+        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport,
                sys.executable, os.path.join(HERE, "worker.py"), str(out)]
-        # A new session, so that a hung job's workers can be killed with their launcher.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            out_text, err_text = proc.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out_text, err_text = proc.communicate()
-            err_text += f"\n*** killed after {LAUNCH_TIMEOUT} s (hang) ***"
-        proc = subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text)
+        proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = []
         for r in range(np_):
             path = out / f"rank{r}.json"

@@ -5,13 +5,12 @@ per-rank records: Gloo ×2 and ×3 (not a power of two) and MPI ×2.
 """
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from launch import horovodrun, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRANSPORTS = {"gloo-2": ("--gloo", 2), "gloo-3": ("--gloo", 3), "mpi-2": ("--mpi", 2)}
@@ -27,23 +26,17 @@ def run(config, out_dir, scenario, *args):
     if key not in _cache:
         transport, np_ = TRANSPORTS[config]
         os.makedirs(out_dir, exist_ok=True)
-        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-        cmd = [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", transport, sys.executable,
+        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport, sys.executable,
                os.path.join(HERE, "robust_worker.py"), str(out_dir), scenario, *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            err += f"\n*** killed after {LAUNCH_TIMEOUT} s (hang) ***"
+        proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = []
         for r in range(np_):
             path = os.path.join(out_dir, f"{scenario}{''.join('.' + a for a in args)}.rank{r}.json")
             records.append(json.load(open(path)) if os.path.exists(path) else {})
         if proc.returncode != 0:
             exc = next((r["exception"] for r in records if "exception" in r), "")
-            pytest.fail(f"{' '.join(cmd[5:])} exited {proc.returncode}\n{exc[-3000:]}\n{out[-2000:]}\n{err[-3000:]}")
+            pytest.fail(f"{' '.join(cmd[5:])} exited {proc.returncode}\n{exc[-3000:]}\n{proc.stdout[-2000:]}\n"
+                        f"{proc.stderr[-3000:]}")
         _cache[key] = [r[scenario] for r in records]
     return _cache[key]
 

@@ -3,12 +3,11 @@ one valid Chrome trace on one time axis, and the breakdown accounts for the meas
 import json
 import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
+
+from launch import horovodrun, run as run_horovodrun
 
 from horovod_safusion.__main__ import main
 from horovod_safusion.timeline.breakdown import breakdown
@@ -22,17 +21,11 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline")
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", "--timeline-filename", str(out / "horovod.json"),
+    cmd = [horovodrun(), "-np", "2", "-H", "localhost:2", "--gloo", "--timeline-filename", str(out / "horovod.json"),
            sys.executable, os.path.join(HERE, "timeline_job.py"), str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    proc = run_horovodrun(cmd, TIMEOUT)
     if proc.returncode != 0:
-        pytest.fail(f"horovodrun exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        pytest.fail(f"horovodrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     merged = out / "merged.json"
     assert main(["timeline", "merge", str(out / "horovod.json"), *(r["timeline"] for r in ranks),
