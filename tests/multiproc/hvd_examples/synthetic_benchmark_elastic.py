@@ -30,7 +30,7 @@ finished one), so that the number of batches done is exact; and:
     horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script ./discover.sh \
         --blacklist-cooldown-range 1 2 --network-interface lo --gloo \
         python synthetic_benchmark_elastic.py --optimizer safusion --width 8 --image-size 32 \
-        --batch-size 8 --fail-rank 1 --fail-at-batch 5 --wait-for-size 2 --work-dir /tmp/w
+        --batch-size 8 --fail-rank 1 --fail-at-batch 5 --wait-for-size 2 --work-dir "$(mktemp -d)"
 """
 import argparse
 import faulthandler
