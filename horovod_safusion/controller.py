@@ -255,20 +255,12 @@ class Controller:
         if self.compressor.dense:
             values, indices = buf.flat, None
         elif not _finite(buf.flat):
-            values, indices = self._poisoned(buf)
+            values, indices = self._poisoned(buf)  # residuals stay as they were
         else:
             values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
             if indices is not None and self._wire_rounds:
                 values = self._round_for_wire(buf, values, indices)
-        if buf.poisoned:
-            pass  # residuals were left as they were
-        elif indices is None:
-            for name in buf.names:
-                self.residuals.discard(name)  # everything was sent
-        else:
-            for slot, name in enumerate(buf.names):  # what stayed behind is the new residual
-                rest = buf.flat[buf.segment(slot)]
-                self.residuals.get(name, rest).copy_(rest)
+            self._keep_rest(buf, indices)
         buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if tl:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
@@ -278,6 +270,17 @@ class Controller:
                                               self.prescale, self.postscale, **extra)
         if tl:
             tl.submitted(buf.index, t)
+
+    def _keep_rest(self, buf: FusionBuffer, indices: torch.Tensor | None) -> None:
+        """What the selection left in the buffer becomes the new residual (none when everything
+        was sent)."""
+        if indices is None:
+            for name in buf.names:
+                self.residuals.discard(name)
+            return
+        for slot, name in enumerate(buf.names):
+            rest = buf.flat[buf.segment(slot)]
+            self.residuals.get(name, rest).copy_(rest)
 
     def _poisoned(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor]:
         """A buffer whose error-compensated gradient is not finite: keep the residuals as they
@@ -378,9 +381,7 @@ class Controller:
         with Horovod."""
         if not buf.poisoned and buf.indices is not None:
             buf.flat.index_add_(0, buf.indices, buf.values)
-            for slot, name in enumerate(buf.names):
-                rest = buf.flat[buf.segment(slot)]
-                self.residuals.get(name, rest).copy_(rest)
+            self._keep_rest(buf, buf.indices)
         return torch.full((buf.numel,), float("nan"), dtype=buf.dtype, device=buf.device)
 
     @staticmethod
