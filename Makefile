@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners clean
+.PHONY: install demo test unit multiproc bench bench-planners bench-peers clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ RATES ?=
 bench: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_throughput.py --np $(NP) \
 		$(if $(RATES),--rates $(RATES))
+
+LINKS ?= loopback 1gbit 200mbit
+bench-peers: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_peers.py --np $(NP) --links $(LINKS)
 
 bench-planners: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

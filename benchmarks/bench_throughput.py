@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from links import check_link, limited_link  # noqa: E402
 from schemes import SCHEMES, batch, make_optimizer  # noqa: E402
 
 
@@ -74,26 +73,9 @@ def worker(args) -> None:
             json.dump({"workers": hvd.size(), "samples_per_s": samples}, f)
 
 
-@contextmanager
-def limited_link(rate: str | None):
-    """A command prefix that runs inside a namespace whose loopback is limited to ``rate``."""
-    if rate is None:
-        yield []
-        return
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        raise SystemExit(f"--rates {rate}: limiting the link needs root and iproute2 (ip, tc)")
-    ns = f"safbench{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                        "rate", rate, "burst", "1mb", "limit", "4mb"], check=True)
-        yield ["ip", "netns", "exec", ns]
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-
-
 def drive(args) -> None:
+    for rate in args.rates:
+        check_link(rate, option="--rates")  # before the first job, not after it
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for rate in [None, *args.rates]:
@@ -104,7 +86,7 @@ def drive(args) -> None:
                *sum(([f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
                      for k, v in vars(args).items() if k in WORKER_ARGS), [])]
         print(f"== {label}: {' '.join(cmd[:6])} ...", flush=True)
-        with limited_link(rate) as prefix:
+        with limited_link(rate, option="--rates") as prefix:
             subprocess.run(prefix + cmd, check=True)
         with open(result) as f:
             results[label] = json.load(f)

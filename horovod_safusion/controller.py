@@ -36,7 +36,8 @@ from typing import Callable, Sequence
 import torch
 import horovod.torch as hvd
 
-from .communicators import Communicator, Pending
+from .communicators import Allreduce, Communicator, Pending
+from .communicators.base import wait
 from .compressors import Compressor
 from .plan import FusionPlan
 from .residual import ResidualStore
@@ -95,7 +96,12 @@ class FusionBuffer:
         self.selection = (self.tensors if order == "ahead" else
                           Segments((f"{self.names[0]}..{self.names[-1]}",), (self.tensors.numel,), self.device))
         self.numel = self.tensors.numel
-        self.flat: torch.Tensor | None = None
+        # Two flat tensors, used in turn: the selection leaves the unsent rest in the one it read,
+        # and the residuals stay there as views (no copy-back); the next step fills the other.
+        self._flats: list[torch.Tensor | None] = [None, None]
+        self._filling = 0
+        self.holds_residuals: int | None = None  # which of the two the residuals are views into
+        self.flat: torch.Tensor | None = None  # the one this step fills
         self.filled: set[int] = set()
         self.pending: Pending | None = None
         self.indices: torch.Tensor | None = None  # what the last launch selected
@@ -106,6 +112,18 @@ class FusionBuffer:
         """Forget the step in flight (after synchronize, or when a step is abandoned)."""
         self.pending, self.indices, self.values, self.poisoned = None, None, None, False
         self.filled.clear()
+
+    def begin(self) -> None:
+        """Pick the flat tensor this step fills: the one that does not hold the residuals (a step
+        in which this buffer was not selected from leaves them where they were)."""
+        i = 0 if self.holds_residuals is None else 1 - self.holds_residuals
+        if self._flats[i] is None:
+            self._flats[i] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.flat, self._filling = self._flats[i], i
+
+    def rest_kept(self) -> None:
+        """The residuals are now views into the flat tensor this step filled."""
+        self.holds_residuals = self._filling
 
     def segment(self, slot: int) -> slice:
         off = self.tensors.offsets[slot]
@@ -168,6 +186,7 @@ class Controller:
         self.last_stats = StepStats()
         self.recorder = None  # a StepRecorder while the generator profiles this step
         self.timeline = None  # a TimelineRecorder when the timeline is on (horovod_safusion.timeline)
+        self._dense_communicator: Communicator | None = None
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -177,6 +196,12 @@ class Controller:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         plan.validate(self.params, {n: p.numel() for n, p in self.params.items()})
         self.plan = plan
+        # A dense plan (fusion="safusion" found a dense allreduce faster) sends every element of a
+        # sparse compressor's job with Horovod's allreduce, residuals included.
+        self._dense = self.compressor.dense or plan.dense
+        if plan.dense and self._dense_communicator is None:
+            self._dense_communicator = Allreduce(
+                process_set=self.communicator.process_set, compression=self.communicator.compression)
         self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
                         for i, names in enumerate(plan.buffers)]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
@@ -235,16 +260,20 @@ class Controller:
     def _fill(self, buf: FusionBuffer, slot: int) -> None:
         tl = self.timeline
         t = tl.mark() if tl else None
-        if buf.flat is None:
-            buf.flat = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
+        if not buf.filled:
+            buf.begin()
         seg = buf.flat[buf.segment(slot)]
         g = self._gradient(buf, slot)
-        if self.compressor.dense:
+        name = buf.names[slot]
+        # a dense step sends the residual left by sparse steps (if any) along, and keeps none
+        r = None if self.compressor.dense else \
+            self.residuals.pop(name) if self.plan.dense else self.residuals.get(name, seg)
+        if r is None:
             seg.copy_(g)
         elif self._rescale is not None:
-            torch.addcmul(g, self.residuals.get(buf.names[slot], seg), self._rescale, out=seg)
+            torch.addcmul(g, r, self._rescale, out=seg)
         else:
-            torch.add(g, self.residuals.get(buf.names[slot], seg), out=seg)
+            torch.add(g, r, out=seg)
         buf.filled.add(slot)
         if tl:
             tl.span(MEMCPY_IN, t, tensor=buf.names[slot])
@@ -252,7 +281,7 @@ class Controller:
     def _launch(self, buf: FusionBuffer) -> None:
         tl = self.timeline
         t = tl.mark() if tl else None
-        if self.compressor.dense:
+        if self._dense:
             values, indices = buf.flat, None
         elif not _finite(buf.flat):
             values, indices = self._poisoned(buf)  # residuals stay as they were
@@ -264,23 +293,24 @@ class Controller:
         buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if tl:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
+        comm = self._dense_communicator if self.plan.dense and not self.compressor.dense else self.communicator
         residual = buf.flat if indices is not None and not buf.poisoned else None
-        extra = {"residual": residual} if self.communicator.wants_residual else {}
-        buf.pending = self.communicator.start(buf.tag, values, indices, buf.numel, self.op,
-                                              self.prescale, self.postscale, **extra)
+        extra = {"residual": residual} if comm.wants_residual else {}
+        buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)
         if tl:
             tl.submitted(buf.index, t)
 
     def _keep_rest(self, buf: FusionBuffer, indices: torch.Tensor | None) -> None:
         """What the selection left in the buffer becomes the new residual (none when everything
-        was sent)."""
+        was sent): the residuals become views of the buffer's segments, and the next step fills
+        the buffer's other flat tensor, so nothing is copied back."""
         if indices is None:
             for name in buf.names:
                 self.residuals.discard(name)
             return
         for slot, name in enumerate(buf.names):
-            rest = buf.flat[buf.segment(slot)]
-            self.residuals.get(name, rest).copy_(rest)
+            self.residuals.bind(name, buf.flat[buf.segment(slot)])
+        buf.rest_kept()
 
     def _poisoned(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor]:
         """A buffer whose error-compensated gradient is not finite: keep the residuals as they
@@ -319,18 +349,18 @@ class Controller:
                     if slot not in buf.filled:
                         self._fill(buf, slot)
                 self._launch(buf)
-        hit = None if self.compressor.dense else self._poisoned_anywhere()  # a handle, resolved at first use
+        hit = None if self._dense else self._poisoned_anywhere()  # a handle, resolved at first use
         stats = StepStats(buffers=len(self.buffers))
         for buf in self.buffers:
             t = tl.mark() if tl else None
             buf.pending.collect()  # waiting: communication
+            if hit is not None and not isinstance(hit, bool):  # submitted last: waits for the others too
+                hit = bool(wait(hit).item())
             t0 = rec.clock.mark() if rec else None
             t = tl.collected(buf.index, t) if tl else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
             t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
-            if hit is not None and not isinstance(hit, bool):
-                hit = bool(hvd.synchronize(hit).item())
             if hit:
                 out, leftover = self._skipped(buf), None
             for slot, p in enumerate(buf.params):

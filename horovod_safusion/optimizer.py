@@ -40,6 +40,7 @@ from .compressors import Compressor, make_compressor
 from . import checkpoint
 from .controller import Controller, StepStats
 from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
+from .generator.adaptive import check_dense_choice
 from .generator.online import OnlineGenerator
 from .plan import FusionPlan, check_plan_across_ranks
 from .timeline.recorder import TimelineRecorder, make_recorder
@@ -55,7 +56,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
-                 grad_scaler=None):
+                 grad_scaler=None, dense=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
 
@@ -108,6 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._named_trainable = [(self._parameter_names[p], p) for p in reversed(trainable)]
         self._planner = GroupsPlanner(_group_names(groups, self._parameter_names)) if groups is not None \
             else make_planner(fusion if fusion is not None else DEFAULT_FUSION)
+        _set_dense_choice(self._planner, dense)
         comp = make_compressor(_compressor_for(self._planner, compressor), density)
         comm = make_communicator(communicator, comp.dense, process_set, compression)
         prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
@@ -168,6 +170,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def timeline(self) -> TimelineRecorder | None:
         """This rank's timeline recorder (``None`` when off); ``timeline.close()`` finishes the file."""
         return self._controller.timeline
+
+    @property
+    def settled(self) -> bool:
+        """Whether the plan is final for now: the profile is taken and no sparse-against-dense
+        trial is under way (the same on every rank). Benchmarks time steps after this."""
+        gen = self._generator
+        return not gen.planner.needs_profile or (gen.profile is not None and (gen.trial is None or gen.trial.done))
 
     @property
     def last_stats(self) -> StepStats:
@@ -308,6 +317,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
+def _set_dense_choice(planner: Planner, dense: "bool | str | None") -> None:
+    """Pass ``dense=`` to a planner that can choose (``fusion="safusion"``); other planners never
+    send dense, so ``False`` and ``"auto"`` leave them as they are, and ``True`` is an error."""
+    if dense is None:
+        return
+    check_dense_choice(dense)
+    if hasattr(planner, "dense_choice"):
+        planner.dense_choice = dense
+    elif dense is True:
+        raise ValueError(f"dense=True sends a sparse compressor's job dense, which fusion='safusion' can do; "
+                         f"fusion={planner.name!r} cannot (use fusion='horovod' for a dense scheme)")
+
+
 def _compressor_for(planner: Planner, compressor: "str | Compressor | None") -> "str | Compressor":
     """The compressor to use: the default for the planner, or the user's if it fits the planner."""
     if compressor is None:
@@ -353,7 +375,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          profile_steps: int = 10,
                          replan_every: int | None = None,
                          timeline: "str | TimelineRecorder | None" = None,
-                         grad_scaler: Any = None):
+                         grad_scaler: Any = None,
+                         dense: "bool | str | None" = None):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -392,6 +415,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                      when the scale changes, so training matches an unscaled run (bit for bit
                      while scales are powers of two, GradScaler's default). Without it a changing
                      scale distorts the residuals.
+        dense: with ``fusion="safusion"``, whether to send dense with Horovod's allreduce instead
+               of sparsifying: ``"auto"`` (the default) prices both from the profile, tries both
+               for a few steps when the predictions are close, and keeps the faster (on a fast
+               link, or for a small model, a dense allreduce can win); ``True`` always sends
+               dense, ``False`` never. Rank 0 says on standard error when it sends dense.
 
     The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
     ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
@@ -429,7 +457,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                gradient_predivide_factor, groups, sparse_as_dense, process_set,
                compressor=compressor, density=density, communicator=communicator, fusion=fusion,
                profile_steps=profile_steps, replan_every=replan_every, timeline=timeline,
-               grad_scaler=grad_scaler)
+               grad_scaler=grad_scaler, dense=dense)
 
 
 class SAFusionOptimizer:

@@ -33,11 +33,15 @@ class FusionPlan:
             ready during back-propagation. Buffers are launched as soon as their last tensor is in.
         order: ``"ahead"`` (select per tensor, SAFusion §3.1) or ``"behind"`` (select per buffer).
         planner: name of the planner that made the plan (informational; part of the digest).
+        dense: send every element with Horovod's dense allreduce, one per buffer, instead of
+            selecting: what ``fusion="safusion"`` does where a dense allreduce is the faster choice
+            (a fast link, or a model too small to profit). Residuals are sent along and emptied.
     """
 
     buffers: tuple[tuple[str, ...], ...]
     order: str = "ahead"
     planner: str = "custom"
+    dense: bool = False
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -83,13 +87,14 @@ class FusionPlan:
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"planner": self.planner, "order": self.order,
+        return {"planner": self.planner, "order": self.order, "dense": self.dense,
                 "buffers": [list(b) for b in self.buffers], "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusionPlan":
         return cls(buffers=d["buffers"], order=d.get("order", "ahead"),
-                   planner=d.get("planner", "custom"), meta=d.get("meta", {}))
+                   planner=d.get("planner", "custom"), dense=bool(d.get("dense", False)),
+                   meta=d.get("meta", {}))
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -99,8 +104,8 @@ class FusionPlan:
         return cls.from_dict(json.loads(text))
 
     def digest(self) -> str:
-        """SHA-256 over what ranks must agree on: buffers and order (not ``meta``)."""
-        canon = json.dumps({"order": self.order, "buffers": [list(b) for b in self.buffers]},
+        """SHA-256 over what ranks must agree on: buffers, order and dense (not ``meta``)."""
+        canon = json.dumps({"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers]},
                            separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
@@ -108,6 +113,8 @@ class FusionPlan:
         """Human-readable description of the first difference to ``other``, or ``None``."""
         if self.order != other.order:
             return f"sparsification order differs: {self.order!r} vs {other.order!r}"
+        if self.dense != other.dense:
+            return f"dense allreduce differs: {self.dense} vs {other.dense}"
         for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):
             if a != b:
                 return f"fusion buffer {i} differs: {list(a)[:4]}... vs {list(b)[:4]}..."

@@ -25,6 +25,14 @@ class ResidualStore:
             self._residuals[name] = r
         return r
 
+    def pop(self, name: str) -> torch.Tensor | None:
+        """Take ``name``'s residual out of the store (``None`` if it has none)."""
+        return self._residuals.pop(name, None)
+
+    def bind(self, name: str, rest: torch.Tensor) -> None:
+        """Make ``rest`` (flat, e.g. a fusion buffer's segment, not copied) ``name``'s residual."""
+        self._residuals[name] = rest
+
     def discard(self, name: str) -> None:
         """Forget ``name``'s residual (equivalent to zeros): used when every element was sent."""
         self._residuals.pop(name, None)

@@ -12,7 +12,7 @@ import torch
 import horovod.torch as hvd
 
 from .. import wire
-from .base import Communicator, Pending, register_communicator
+from .base import Communicator, Pending, register_communicator, wait
 
 
 @register_communicator("allgather")
@@ -34,11 +34,11 @@ class Allgather(Communicator):
             pending.bytes_received = gathered.numel() - rows.numel()  # the other ranks' rows
             got_values, got_indices = wire.unpack(gathered, sent.dtype)
             got_values = self.compression.decompress(got_values, ctx).to(dtype)
-            out = torch.zeros(numel, dtype=dtype, device=device)
+            out = self.output(tag, numel, dtype, device)
             out.index_add_(0, got_indices, got_values)
             if scale != 1.0:
                 out.mul_(scale)
             return out
 
-        pending = Pending(lambda: hvd.synchronize(handle), decode, rows.numel())
+        pending = Pending(lambda: wait(handle), decode, rows.numel())
         return pending

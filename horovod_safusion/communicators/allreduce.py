@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import horovod.torch as hvd
 
-from .base import Communicator, Pending, register_communicator
+from .base import Communicator, Pending, register_communicator, wait
 
 
 @register_communicator("allreduce")
@@ -24,7 +24,7 @@ class Allreduce(Communicator):
         if indices is None:
             dense = values.contiguous()
         else:
-            dense = torch.zeros(numel, dtype=dtype, device=values.device).index_copy_(0, indices, values)
+            dense = self.output(tag, numel, dtype, values.device).index_copy_(0, indices, values)
         sent, ctx = self.compression.compress(dense)
         handle = hvd.allreduce_async_(sent, name=f"saf.ar.{tag}", op=op, prescale_factor=prescale,
                                       postscale_factor=postscale, process_set=self.process_set)
@@ -32,4 +32,4 @@ class Allreduce(Communicator):
         def decode(reduced: torch.Tensor) -> torch.Tensor:
             return self.compression.decompress(reduced, ctx).to(dtype)
 
-        return Pending(lambda: hvd.synchronize(handle), decode, sent.numel() * sent.element_size())
+        return Pending(lambda: wait(handle), decode, sent.numel() * sent.element_size())

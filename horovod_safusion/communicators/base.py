@@ -8,6 +8,7 @@ The reduction follows Horovod's scaling: ``postscale · Σ_ranks prescale · x``
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
@@ -20,6 +21,25 @@ from ..registry import Registry
 
 #: Communicators that keep per-step statistics (``history``) keep this many, so long jobs do not grow.
 HISTORY = 10_000
+
+
+#: Longest sleep between two polls of a collective in :func:`wait` (seconds).
+MAX_POLL_INTERVAL = 5e-4
+
+
+def wait(handle: int) -> Any:
+    """``hvd.synchronize(handle)`` without spinning a core while the collective runs.
+
+    Horovod's own wait spins (``std::this_thread::yield()`` in a loop), so a rank that waits for
+    another one burns a core, and with as many workers as cores it takes CPU time from the
+    threads that do the communication (Horovod's background thread, Gloo's) and from the other
+    rank's back-propagation. Here the caller polls and sleeps between polls, from 20 µs doubling
+    up to :data:`MAX_POLL_INTERVAL`; the added latency is below one Horovod cycle (1 ms)."""
+    delay = 2e-5
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, MAX_POLL_INTERVAL)
+    return hvd.synchronize(handle)
 
 
 class Pending:
@@ -107,6 +127,25 @@ class Communicator(Stateful, ABC):
             op: ``hvd.Average`` or ``hvd.Sum``.
             prescale, postscale: Horovod's scale factors (``gradient_predivide_factor``).
         """
+
+    def output(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed dense flat buffer to decode ``tag``'s result into, reused from step to step.
+        Memory taken afresh each step arrives as new pages, and faulting them in cost more than
+        the decoding itself (33 ms for ResNet-18's 11.2 M float32 elements; zeroing reused memory
+        took 3 ms). Valid until ``tag`` is decoded again: the controller copies it into the
+        gradients at once."""
+        held = self.__dict__.setdefault("_outputs", {})
+        out = held.get(tag)
+        if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
+            out = held[tag] = torch.zeros(numel, dtype=dtype, device=device)
+            return out
+        return out.zero_()
+
+    def release_outputs(self, prefix: str) -> None:
+        """Free the decoding buffers of tags starting with ``prefix`` (the profile's sweeps)."""
+        held = self.__dict__.get("_outputs", {})
+        for tag in [t for t in held if t.startswith(prefix)]:
+            del held[tag]
 
     def setup(self, compressor: Any) -> None:
         """Called once on every rank of the process set when the optimizer is built, after the

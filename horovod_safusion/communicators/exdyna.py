@@ -35,7 +35,7 @@ import horovod.torch as hvd
 
 from .. import wire
 from ..compressors.exdyna import ExDyna
-from .base import HISTORY, Communicator, Pending, register_communicator
+from .base import HISTORY, Communicator, Pending, register_communicator, wait
 
 
 @dataclass
@@ -169,7 +169,7 @@ class ExDynaCommunicator(Communicator):
         state: dict = {}
 
         def collect():
-            gathered = hvd.synchronize(handle).to(torch.int64)  # U: disjoint, same on every rank
+            gathered = wait(handle).to(torch.int64)  # U: disjoint, same on every rank
             # Accumulator at U: own selected values + residual (Alg. 1 line 12).
             contrib = residual[gathered].clone() if residual is not None else torch.zeros(gathered.numel(), dtype=dtype, device=device)
             selected = torch.zeros(numel, dtype=dtype, device=device)
@@ -178,7 +178,7 @@ class ExDynaCommunicator(Communicator):
             if prescale != 1.0:
                 contrib.mul_(prescale)
             sent, ctx = self.compression.compress(contrib)
-            reduced = hvd.allreduce(sent, name=f"saf.exdyna.{tag}.val", op=hvd.Sum, process_set=ps)
+            reduced = wait(hvd.allreduce_async(sent, name=f"saf.exdyna.{tag}.val", op=hvd.Sum, process_set=ps))
             # Hand back what is not sent: non-exclusive selections, minus the residual sent at U.
             selected[gathered] = -residual[gathered] if residual is not None else 0
             state.update(gathered=gathered, selected=selected, sent=sent)
@@ -186,7 +186,7 @@ class ExDynaCommunicator(Communicator):
 
         def decode(reduced):
             gathered = state["gathered"]
-            out = torch.zeros(numel, dtype=dtype, device=device)
+            out = self.output(tag, numel, dtype, device)
             out.index_add_(0, gathered, reduced)
             if scale != 1.0:
                 out.mul_(scale)

@@ -20,6 +20,7 @@ import torch
 import horovod.torch as hvd
 
 from .. import wire
+from .base import wait
 
 
 class RowCodec:
@@ -76,7 +77,7 @@ class Exchange:
     def wait(self) -> list[torch.Tensor]:
         """Rows received from each rank (rank order; one's own part comes back to itself)."""
         if self._result is None:
-            rows, received = hvd.synchronize(self._handle)
+            rows, received = wait(self._handle)
             self._result = list(torch.split(rows, received.tolist()))
         return self._result
 

@@ -320,7 +320,7 @@ class _SparDLRun:
     # ---- decode -------------------------------------------------------------------------------
     def _decode(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         values, indices = self.codec.decode(torch.cat(blocks))
-        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out = self.comm.output(self.tag, self.numel, self.dtype, self.device)
         out.index_add_(0, indices, values)
         if self.scale != 1.0:
             out.mul_(self.scale)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
-from .base import HISTORY, Communicator, Pending, register_communicator
+from .base import HISTORY, Communicator, Pending, register_communicator, wait
 from .p2p import Exchange, RowCodec, send_to
 from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
 
@@ -172,7 +172,7 @@ class _BalancedParallelism(_Run):
         touched[where[indices]] = True
         sent, _ = self.comm.compression.compress(local[touched])
         payload = torch.cat([bitmap_encode(touched), sent.contiguous().view(torch.uint8)])
-        gathered = hvd.allgather(payload, name=f"saf.zen.{self.tag}.pull", process_set=self.ps)
+        gathered = wait(hvd.allgather_async(payload, name=f"saf.zen.{self.tag}.pull", process_set=self.ps))
         self.bytes_sent += payload.numel()
         self.bytes_received += gathered.numel() - payload.numel()
         return gathered, sets, sent.dtype
@@ -180,7 +180,7 @@ class _BalancedParallelism(_Run):
     def _decode(self, raw) -> torch.Tensor:
         gathered, sets, wire_dtype = raw
         esize = torch.empty(0, dtype=wire_dtype).element_size()
-        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out = self.comm.output(self.tag, self.numel, self.dtype, self.device)
         offset, pulled = 0, []
         for owned in sets:  # rank order: [bitmap | values] per owner
             nbytes = (owned.numel() + 7) // 8

@@ -24,6 +24,16 @@ aligned plans with M ∈ {1, 2, 4, 8, 16} (§3.2) under the same profile and kee
 pipeline simulator predicts fastest; ``plan.meta`` records every candidate's prediction.
 ``guard=False`` returns Steps 1–2's plan unchanged, as the paper specifies it.
 
+**Dense choice** (ours, ``dense="auto"`` by default): where the profile also prices Horovod's
+dense allreduce (:attr:`Profile.dense_allreduce`), the same steps and guard plan the job as if
+every element were sent (:meth:`Profile.as_dense`: no compression, the dense curve), and the
+faster of the best sparse and the best dense plan by the simulator is returned. A sparse scheme
+pays for selection and decoding on every step; on a fast link, or for a model too small to
+profit, a dense allreduce overlapped with back-propagation is faster, and the plugin must never
+be slower than what the user had. ``plan.meta`` holds both predictions and the other plan
+(``runner_up``), which the online generator tries for a few steps when the two predictions are
+close, and keeps whichever was measured faster.
+
 Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
 then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
 """
@@ -38,6 +48,14 @@ from .profile import Profile
 from .simulator import simulate
 
 GUARD_BUFFER_COUNTS = (1, 2, 4, 8, 16)
+DENSE_CHOICES = ("auto", True, False)
+
+
+def check_dense_choice(dense: "bool | str") -> "bool | str":
+    """``dense=`` validated: ``"auto"``, ``True`` or ``False``."""
+    if not any(dense is c or (isinstance(c, str) and dense == c) for c in DENSE_CHOICES):
+        raise ValueError(f"dense must be 'auto', True or False, got {dense!r}")
+    return dense
 
 
 @register_planner("safusion")
@@ -49,20 +67,46 @@ class SAFusionPlanner(Planner):
             profiles the job online first.
         long_tail: apply Step-2 (Eq. 3). Off, the plan is Step-1's alone (Figure 10), for ablations.
         guard: keep an aligned plan instead when the simulator predicts it faster (see above).
+        dense: ``"auto"`` plans dense too where the profile prices it and returns the faster;
+            ``True`` returns the dense plan, ``False`` the sparse one.
     """
 
     needs_profile = True
 
-    def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True) -> None:
+    def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True,
+                 dense: "bool | str" = "auto") -> None:
         self.profile = profile
         self.long_tail = long_tail
         self.guard = guard
+        self.dense_choice = check_dense_choice(dense)
+
+    @property
+    def prices_dense(self) -> bool:
+        """Whether the online profile must price Horovod's dense allreduce for this planner."""
+        return self.dense_choice is not False
 
     def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:
         profile = profile if profile is not None else self.profile
         if profile is None:
             raise ValueError("the 'safusion' planner plans from a profile; the optimizer profiles the "
                              "job online first (or pass one: planner.plan(tensors, profile))")
+        priced = profile.dense_allreduce is not None and not profile.dense_comm
+        if self.dense_choice is True and not priced and not profile.dense_comm:
+            raise ValueError("dense=True plans a dense allreduce, but the profile does not price one "
+                             "(Profile.dense_allreduce is None)")
+        if self.dense_choice is False or not priced:
+            return self._best(profile)
+        sparse, dense = self._best(profile), self._best(profile.as_dense(), dense=True)
+        predicted = {"sparse": simulate(profile, sparse).iteration,
+                     "dense": simulate(profile.as_dense(), dense).iteration}
+        best = "dense" if self.dense_choice is True else min(predicted, key=lambda k: (predicted[k], k))
+        chosen, other = (dense, sparse) if best == "dense" else (sparse, dense)
+        meta = dict(chosen.meta, predicted_sparse_s=predicted["sparse"], predicted_dense_s=predicted["dense"],
+                    runner_up=None if self.dense_choice is True else other.to_dict())
+        return FusionPlan(chosen.buffers, order=chosen.order, planner=chosen.planner, dense=chosen.dense, meta=meta)
+
+    def _best(self, profile: Profile, dense: bool = False) -> FusionPlan:
+        """Steps 1–2 and the guard under ``profile`` (``dense``: the plan sends every element)."""
         names = profile.names
         buffers = self._grow(profile, names)
         buffers, merged_from = self._merge_long_tail(profile, buffers) if self.long_tail else (buffers, None)
@@ -70,7 +114,8 @@ class SAFusionPlanner(Planner):
         plan = FusionPlan(split_at_group_changes(buffers, group), order=self.order, planner=self.name,
                           meta={"first_buffer": len(buffers[0]), "long_tail_merged_from": merged_from,
                                 "chosen": "adaptive"})
-        return self._guarded(profile, plan) if self.guard else plan
+        plan = self._guarded(profile, plan) if self.guard else plan
+        return FusionPlan(plan.buffers, order=plan.order, planner=plan.planner, dense=dense, meta=plan.meta)
 
     def _guarded(self, p: Profile, adaptive: FusionPlan) -> FusionPlan:
         candidates = {"adaptive": adaptive}

@@ -32,11 +32,16 @@ import horovod.torch as hvd
 from ..clock import Clock
 from ..plan import FusionPlan, check_plan_across_ranks
 from ..segment import Segments
+from ..communicators.base import wait
+from . import choice
 from .base import Planner, TensorInfo
 from .costs import CostCurve
 from .profile import Profile
 
 SWEEP_POINTS = 12
+#: The dense allreduce is timed up to this many bytes and extrapolated linearly beyond (it costs
+#: latency + bytes / bandwidth), so that pricing it on a slow link takes seconds, not minutes.
+DENSE_SWEEP_BYTES = 4 << 20
 
 
 @dataclass
@@ -106,11 +111,14 @@ class OnlineGenerator:
         self._record_from = warmup_steps
         self._samples: list[dict] = []
         self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
+        self.trial: choice.DenseTrial | None = None  # sparse against dense, measured
+        self._last_end: Any = None
 
     @property
     def active(self) -> bool:
         """Whether this generator still has profiling to do (otherwise the optimizer can drop it)."""
-        return self.planner.needs_profile and (self.profile is None or self.replan_every is not None)
+        return self.planner.needs_profile and (self.profile is None or self.replan_every is not None
+                                               or (self.trial is not None and not self.trial.done))
 
     def initial_plan(self, tensors: Sequence[TensorInfo]) -> FusionPlan:
         """The planner's plan if it needs no measurements, else one buffer per tensor."""
@@ -132,11 +140,14 @@ class OnlineGenerator:
         """Where the loop stands: steps, the next profiled step and the profile (JSON). Timings of a
         profile under way are not kept: a resumed job measures that profile again."""
         return {"steps": self.steps, "record_from": self._record_from,
-                "profile": None if self.profile is None else json.dumps(self.profile.to_dict())}
+                "profile": None if self.profile is None else json.dumps(self.profile.to_dict()),
+                "trial": None if self.trial is None else json.dumps(self.trial.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.profile = None if state["profile"] is None else Profile.from_dict(json.loads(state["profile"]))
+        trial = state.get("trial")
+        self.trial = None if trial is None else choice.DenseTrial.from_state(json.loads(trial))
         self._samples = []
         record_from = state["record_from"]
         # a profile under way starts again at the next step
@@ -150,11 +161,18 @@ class OnlineGenerator:
             self._samples.append(controller.recorder.resolve(now))
             controller.recorder = None
         self.steps += 1
+        if self.trial is not None and not self.trial.done:
+            switch = self.trial.step_ends(clock.seconds(self._last_end, now), process_set)
+            if switch is not None:
+                controller.set_plan(switch)
+                check_plan_across_ranks(switch, process_set)
+        self._last_end = now
         if len(self._samples) == self.profile_steps:
             self.profile = self.build_profile(controller, tensors, process_set)
             plan = self.planner.plan(tensors, self.profile)
             controller.set_plan(plan)
             check_plan_across_ranks(plan, process_set)
+            self.trial = choice.start(plan)
             self._samples = []
             self._record_from = self.steps + self.replan_every - self.profile_steps if self.replan_every else None
         if self._record_from is not None and self.steps >= self._record_from:
@@ -173,11 +191,16 @@ class OnlineGenerator:
         cp_sizes, cp_secs, per_segment = compression_sweep(controller.compressor, [t.numel for t in tensors],
                                                            buf.dtype, buf.device)
         cm_bytes, cm_secs = communication_sweep(controller, tensors, process_set)
+        # one worker has no link to price: it keeps sparsifying as each worker of a job does
+        priced = (getattr(self.planner, "prices_dense", False) and not controller.compressor.dense
+                  and not controller.communicator.dense and process_set.size() > 1)
+        dense_bytes, dense_secs = dense_allreduce_sweep(controller, tensors, process_set) if priced else ([], [])
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
         slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "safusion.profile.max",
                              process_set)
-        cm_secs = _allreduce(cm_secs, hvd.Min, "safusion.profile.min", process_set)
+        fastest = _allreduce(cm_secs + dense_secs, hvd.Min, "safusion.profile.min", process_set)
+        cm_secs, dense_secs = fastest[:len(cm_secs)], fastest[len(cm_secs):]
         # what a rank sends depends on its data in some protocols (ZEN's hash partitions): the
         # curve's sizes must be the same on every rank, or so would not be the plans
         cm_bytes = _allreduce(cm_bytes, hvd.Max, "safusion.profile.bytes", process_set)
@@ -191,7 +214,7 @@ class OnlineGenerator:
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=CostCurve(cm_bytes, cm_secs),
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
-            workers=process_set.size(),
+            workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 
@@ -273,5 +296,32 @@ def communication_sweep(controller, tensors: Sequence[TensorInfo], process_set,
             if r:
                 times.append(clock.seconds(a, clock.mark()))
         nbytes.append(float(pending.bytes_sent))
+        seconds.append(float(np.median(times)))
+    comm.release_outputs("sweep.")
+    return nbytes, seconds
+
+
+def dense_allreduce_sweep(controller, tensors: Sequence[TensorInfo], process_set,
+                          reps: int = 2) -> tuple[list[float], list[float]]:
+    """Seconds of one Horovod dense allreduce for swept buffer sizes up to the model's gradient
+    bytes or :data:`DENSE_SWEEP_BYTES`, whichever is smaller (all ranks): the price of sending
+    dense, for the planner's dense choice."""
+    buf = max(controller.buffers, key=lambda b: b.numel)
+    element = torch.empty((), dtype=buf.dtype).element_size()
+    total = sum(t.numel for t in tensors)
+    compression = controller.communicator.compression
+    clock = Clock(buf.device)
+    nbytes, seconds = [], []
+    for j, count in enumerate(_sizes(1024, min(total, DENSE_SWEEP_BYTES // element))):
+        dense = torch.randn(count, dtype=buf.dtype, device=buf.device)
+        times = []
+        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
+            a = clock.mark()
+            sent, ctx = compression.compress(dense)
+            wait(hvd.allreduce_async_(sent, name=f"safusion.sweep.dense.{j}", op=hvd.Sum, process_set=process_set))
+            compression.decompress(sent, ctx)
+            if r:
+                times.append(clock.seconds(a, clock.mark()))
+        nbytes.append(float(count * element))
         seconds.append(float(np.median(times)))
     return nbytes, seconds

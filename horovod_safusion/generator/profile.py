@@ -43,6 +43,8 @@ class Profile:
         dense_comm: the communicator sends whole buffers (message = dense bytes).
         workers: number of ranks of the job.
         segment_cost: extra compression seconds per additional segment of a buffer.
+        dense_allreduce: Horovod's dense allreduce, seconds against the bytes of one buffer, for
+            pricing the dense alternative (``None`` where it was not measured).
         meta: free-form provenance (compressor, communicator, iterations, observed waits).
     """
 
@@ -57,6 +59,7 @@ class Profile:
     dense_comm: bool = False
     segment_cost: float = 0.0
     workers: int = 1
+    dense_allreduce: CostCurve | None = None
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,14 +110,25 @@ class Profile:
         start = 0.0 if previous_last is None else self.ready_of(previous_last)
         return max(0.0, max(self.ready_of(n) for n in names) - start)
 
+    def as_dense(self) -> "Profile":
+        """The same job priced for Horovod's dense allreduce: every element sent, nothing
+        selected (no compression time), the dense allreduce's cost curve."""
+        if self.dense_allreduce is None:
+            raise ValueError("this profile has no dense allreduce cost curve (dense_allreduce=None)")
+        return Profile(tensors=self.tensors, ready=self.ready, prefix=self.prefix, suffix=self.suffix,
+                       compress=self.compress, communicate=self.dense_allreduce, density=1.0,
+                       wire_bytes=self.wire_bytes, dense_comm=True, segment_cost=0.0, workers=self.workers,
+                       dense_allreduce=self.dense_allreduce, meta=dict(self.meta, dense=True))
+
     # ---- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"tensors": [[t.name, t.numel, t.element_size, t.group] for t in self.tensors],
                 "ready": list(self.ready), "prefix": self.prefix, "suffix": self.suffix,
                 "compress": self.compress.to_dict(), "communicate": self.communicate.to_dict(),
                 "density": self.density, "wire_bytes": self.wire_bytes, "dense_comm": self.dense_comm,
-                "segment_cost": self.segment_cost,
-                "workers": self.workers, "meta": self.meta}
+                "segment_cost": self.segment_cost, "workers": self.workers,
+                "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
+                "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -122,8 +136,9 @@ class Profile:
                    prefix=d["prefix"], suffix=d["suffix"], compress=CostCurve.from_dict(d["compress"]),
                    communicate=CostCurve.from_dict(d["communicate"]), density=d["density"],
                    wire_bytes=dict(d["wire_bytes"]), dense_comm=d.get("dense_comm", False),
-                segment_cost=d.get("segment_cost", 0.0),
-                   workers=d.get("workers", 1), meta=d.get("meta", {}))
+                   segment_cost=d.get("segment_cost", 0.0), workers=d.get("workers", 1),
+                   dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
+                   meta=d.get("meta", {}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -92,7 +92,7 @@ def build(comp, comm, seed=0, **kw):
     kw.setdefault("profile_steps", 2)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compressor=comp,
-                                   communicator=comm, **kw)
+                                   communicator=comm, **kw, dense=False)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     return model, opt
@@ -211,7 +211,7 @@ def amp_run(comp, scaler_kind):
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     else:
         opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters(), compressor=comp,
-                                       density=0.1, profile_steps=2, **kw)
+                                       density=0.1, profile_steps=2, **kw, dense=False)
         assert not kw or opt._controller.loss_scale is not None
     scales = []
     for step in range(15):
@@ -250,7 +250,7 @@ def scenario_fp16():
         torch.manual_seed(0)
         model = Net()
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
-                                       compression=hvd.Compression.fp16, compressor=comp, communicator=comm, density=0.1)
+                                       compression=hvd.Compression.fp16, compressor=comp, communicator=comm, density=0.1, dense=False)
         named = list(model.named_parameters())
         not_half, not_exact, bytes_sent = 0, 0, []
         for step in range(5):

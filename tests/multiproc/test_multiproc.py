@@ -131,3 +131,14 @@ def test_baseline_schemes_train_end_to_end(job):
         assert rec["horovod"]["acc"] > 0.6 and rec["horovod"]["missing"] == 0.0
         assert rec["wfbp"]["order"] == "behind" and rec["wfbp"]["missing"] == 0.0  # one tensor a buffer
         assert rec["oktopk"]["buffers"] == 1
+
+
+def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
+    recs = per_rank(job, "dense_choice")
+    for r in recs:
+        assert r["auto"]["priced"] and r["auto"]["trial_done"] and r["auto"]["replicas_equal"], r["auto"]
+        assert r["auto"]["dense"] == recs[0]["auto"]["dense"]
+        # forced dense: Horovod's dense allreduce, bit for bit with 2 workers (a + b in any order)
+        assert r["forced"]["dense"] and len(r["forced"]["grad_diffs"]) >= 2, r["forced"]
+        tol = 0.0 if len(recs) == 2 else 1e-6
+        assert max(r["forced"]["grad_diffs"]) <= tol, r["forced"]

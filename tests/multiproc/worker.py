@@ -67,7 +67,7 @@ def scenario_dense_equality():
                                        named_parameters=ref_m.named_parameters(), gradient_predivide_factor=pre)
         ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=our_m.named_parameters(), gradient_predivide_factor=pre,
-                                        fusion=NaivePlanner(capacity_bytes=8192), **kw)
+                                        fusion=NaivePlanner(capacity_bytes=8192), **kw, dense=False)
         gd, pd = 0.0, 0.0
         for step in range(3):
             x, y = batch(step)
@@ -84,6 +84,48 @@ def scenario_dense_equality():
     return out
 
 
+def scenario_dense_choice():
+    """fusion="safusion" prices a dense allreduce, settles it by a measured trial on every rank
+    alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients after the profile."""
+    out = {}
+    m = make()
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
+                                   profile_steps=2)
+    for step in range(24):  # warm-up, profile, and a trial's blocks
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    gen = opt._generator
+    out["auto"] = {"dense": opt.plan.dense, "trial_done": gen.trial is None or gen.trial.done,
+                   "priced": opt.profile.dense_allreduce is not None,
+                   "predicted": [opt.profile.dense_allreduce(1e6) if opt.profile.dense_allreduce else None],
+                   "replicas_equal": bool(np.array_equal(*[np.asarray(a) for a in hvd.allgather_object(
+                       torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")][:2]))}
+    ref_m, our_m = make(), make()
+    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
+    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
+                                    profile_steps=2, dense=True)
+    diffs = []
+    for step in range(6):
+        x, y = batch(step)
+        for mod, o in ((ref_m, ref), (our_m, ours)):
+            o.zero_grad()
+            F.cross_entropy(mod(x), y).backward()
+            o.synchronize()
+        sent_dense = ours.plan.dense
+        if sent_dense:
+            diffs.append(max_diff(grads(ref_m), grads(our_m)))
+        for o in (ref, ours):
+            with o.skip_synchronize():
+                o.step()
+        if not sent_dense:  # the profile's sparse steps moved our parameters: start alike again
+            our_m.load_state_dict(ref_m.state_dict())
+            ours.residuals.load_state_dict({})  # (the first dense step would send them along)
+    out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs}
+    return out
+
+
 def gather_dense(tensors):
     """Every rank's list of flat tensors, as numpy float64 arrays."""
     return [[np.asarray(t, dtype=np.float64) for t in r]
@@ -97,7 +139,7 @@ def scenario_sparse_aggregation():
         m = make(width=16)
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                        named_parameters=m.named_parameters(), compressor=compressor,
-                                       density=0.01, fusion=NaivePlanner(capacity_bytes=16384))
+                                       density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False)
         named = list(m.named_parameters())
         worst_ref, worst_cons, missing = 0.0, 0.0, 0
         for step in range(4):
@@ -154,7 +196,7 @@ def scenario_unused_parameters():
         torch.manual_seed(0)
         m = Branchy()
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=m.named_parameters(), **kw)
+                                       named_parameters=m.named_parameters(), **kw, dense=False)
         for step in range(3):
             opt.zero_grad()
             g = torch.Generator().manual_seed(100 * step + hvd.rank())
@@ -174,7 +216,7 @@ def scenario_backward_passes():
                                    named_parameters=ref_m.named_parameters(), backward_passes_per_step=2)
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1),
                                     named_parameters=our_m.named_parameters(), backward_passes_per_step=2,
-                                    compressor="none")
+                                    compressor="none", dense=False)
     for step in range(2):
         for m, o in ((ref_m, ref), (our_m, ours)):
             o.zero_grad()
@@ -199,7 +241,7 @@ def scenario_broadcast_and_skip():
     """broadcast_optimizer_state keeps working; synchronize + clip + skip_synchronize matches Horovod."""
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.001 * (1 + hvd.rank())),
-                                   named_parameters=m.named_parameters())
+                                   named_parameters=m.named_parameters(), dense=False)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     lr = opt.param_groups[0]["lr"]
@@ -208,7 +250,7 @@ def scenario_broadcast_and_skip():
     ref_m, our_m = make(), make()
     ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
-                                    compressor="none")
+                                    compressor="none", dense=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):
@@ -228,7 +270,7 @@ def scenario_training():
     """A short real training run learns well above chance (10 classes)."""
     m = make(width=16)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                   named_parameters=m.named_parameters(), compressor="dgc", density=0.01)
+                                   named_parameters=m.named_parameters(), compressor="dgc", density=0.01, dense=False)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     for step in range(120):
         opt.zero_grad()
@@ -250,7 +292,7 @@ def scenario_schemes():
         m = make(width=8)
         sparse = {} if scheme == "horovod" else {"compressor": "dgc", "density": 0.01}
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                       named_parameters=m.named_parameters(), fusion=scheme, profile_steps=3, **sparse)
+                                       named_parameters=m.named_parameters(), fusion=scheme, profile_steps=3, **sparse, dense=False)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         missing = []
         for step in range(60):
@@ -295,7 +337,7 @@ def scenario_generator_alignment():
     torch.manual_seed(0)
     m = SlowOnSomeRanks()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
-                                   compressor="dgc", density=0.01, profile_steps=3)
+                                   compressor="dgc", density=0.01, profile_steps=3, dense=False)
     planners = []
     for step in range(6):
         opt.zero_grad()
@@ -313,7 +355,7 @@ def scenario_generator_alignment():
                                    named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=our_m.named_parameters(), compressor="dgc", density=1.0,
-                                    profile_steps=2)
+                                    profile_steps=2, dense=False)
     diff, switched_at = 0.0, None
     for step in range(6):
         x, y = batch(step)
@@ -342,7 +384,7 @@ def scenario_randomk_shared_indices():
     # exactly as many nonzeros as one rank selected
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                   compressor="randomk", density=0.05, fusion=NaivePlanner(1 << 20))
+                                   compressor="randomk", density=0.05, fusion=NaivePlanner(1 << 20), dense=False)
     x, y = batch(0)
     F.cross_entropy(m(x), y).backward()
     opt.synchronize()
@@ -357,7 +399,7 @@ def scenario_plan_mismatch():
     cap = 1 if hvd.rank() == 0 else 10**9  # one buffer per tensor vs one buffer in all
     try:
         saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                 fusion=NaivePlanner(capacity_bytes=cap))
+                                 fusion=NaivePlanner(capacity_bytes=cap), dense=False)
     except ValueError as e:
         return {"error": str(e)}
     return {"error": ""}

@@ -1,0 +1,56 @@
+"""Emulated network links for the benchmarks: a network namespace whose loopback is rate-limited.
+
+A link is named ``loopback`` (the plain loopback, nothing limited) or by a ``tc`` rate such as
+``1gbit`` or ``200mbit``. For a rate, :func:`limited_link` makes a fresh namespace, brings its
+loopback up and limits it with a token bucket (``tc qdisc add dev lo root tbf``); commands run
+inside with the prefix it yields (``ip netns exec NAME``). The bucket's burst (1 MB) is above the
+64 KiB loopback MTU: a smaller one drops large packets and Gloo times out. ``netem`` (delay) is
+not in every kernel, so only the rate is limited. Needs root and iproute2.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+
+LOOPBACK = "loopback"
+_count = itertools.count()
+
+
+def rate_of(link: str | None) -> str | None:
+    """The ``tc`` rate of a link name, or None for the plain loopback."""
+    return None if link in (None, LOOPBACK) else link
+
+
+def check_link(link: str | None, option: str = "--links") -> None:
+    """Stop with a clear message if ``link`` needs a namespace and this machine cannot make one."""
+    if rate_of(link) is None:
+        return
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if os.geteuid() != 0 or missing:
+        why = "not running as root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
+        raise SystemExit(f"{option} {link}: limiting the link needs root and iproute2 (ip, tc): {why}")
+
+
+@contextmanager
+def limited_link(link: str | None, option: str = "--links"):
+    """A command prefix that runs inside a namespace whose loopback is limited to ``link``'s rate.
+
+    ``None`` or ``"loopback"`` yields ``[]`` (run as is). The namespace is deleted on exit.
+    """
+    rate = rate_of(link)
+    if rate is None:
+        yield []
+        return
+    check_link(link, option)
+    ns = f"safbench{os.getpid()}x{next(_count)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                        "rate", rate, "burst", "1mb", "limit", "4mb"], check=True)
+        yield ["ip", "netns", "exec", ns]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)

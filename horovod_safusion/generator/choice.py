@@ -1,0 +1,128 @@
+"""Sparse or dense, settled by measured step times (the dense choice of ``fusion="safusion"``).
+
+The planner predicts the iteration time of its best sparse plan and of its best dense-allreduce
+plan from the profile (:class:`~horovod_safusion.generator.adaptive.SAFusionPlanner`, "Dense
+choice") and returns the faster. A prediction leaves out what the profile cannot see — the
+decoding's memory traffic, the threads competing for the cores, Horovod's negotiation — so when
+the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
+blocks of ``steps`` measured steps, A B B A (a drift of the machine's speed hits both alike; the
+first step after each switch pays for new buffers and is not measured), and keeps the one
+measured faster. Every rank measures its own step times; their medians are reduced
+by the maximum (the job is as fast as its slowest rank), so every rank decides alike and switches
+at the same step. Residuals are per parameter: a sparse plan keeps them, and the first dense step
+sends them along, so the trial loses no gradient.
+
+Rank 0 says once what was chosen, with both predicted (and measured) times.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from ..plan import FusionPlan
+
+#: Try both plans when the slower prediction is at most this factor above the faster one.
+TRIAL_MARGIN = 1.5
+#: Measured steps per block of a trial.
+TRIAL_STEPS = 3
+#: The order of a trial's blocks: 0 is the plan predicted faster, 1 the other.
+SCHEDULE = (0, 1, 1, 0)
+
+
+def describe(plan: FusionPlan) -> str:
+    return "dense allreduce" if plan.dense else "sparse"
+
+
+def announce(text: str) -> None:
+    """One line on rank 0's standard error."""
+    if hvd.rank() == 0:
+        print(f"horovod_safusion: {text}", file=sys.stderr, flush=True)
+
+
+class DenseTrial:
+    """Measures ``first`` and ``second`` in the block order :data:`SCHEDULE` (A B B A, so that a
+    drift of the machine's speed during the trial hits both alike) and keeps the faster.
+
+    Args:
+        first: the plan predicted faster (in use when the trial starts).
+        second: the other one.
+        steps: measured steps per block.
+    """
+
+    def __init__(self, first: FusionPlan, second: FusionPlan, steps: int = TRIAL_STEPS) -> None:
+        self.plans = (first, second)
+        self.steps = steps
+        self.blocks: list[list[float]] = [[] for _ in SCHEDULE]
+        self._block: int | None = 0
+        self._skip = 1  # steps not measured: the first step on a plan allocates its buffers
+        self.measured: list[float] | None = None
+
+    def step_ends(self, seconds: float, process_set: Any) -> FusionPlan | None:
+        """Record one step's seconds; returns the plan to switch to, if any (every rank alike).
+        :attr:`done` tells when the trial has decided."""
+        if self._skip:
+            self._skip -= 1
+            return None
+        block = self.blocks[self._block]
+        block.append(seconds)
+        if len(block) < self.steps:
+            return None
+        self._block += 1
+        if self._block < len(SCHEDULE):
+            if SCHEDULE[self._block] == SCHEDULE[self._block - 1]:
+                return None
+            self._skip = 1
+            return self.plans[SCHEDULE[self._block]]
+        return self._decide(process_set)
+
+    def _decide(self, process_set: Any) -> FusionPlan | None:
+        per_plan = [float(np.mean([np.median(b) for b, k in zip(self.blocks, SCHEDULE) if k == i])) for i in (0, 1)]
+        medians = hvd.allreduce(torch.tensor(per_plan, dtype=torch.float64), op=hvd.Max,
+                                name="safusion.choice.measured", process_set=process_set)
+        self.measured = medians.tolist()
+        self._block = None
+        winner = int(np.argmin(self.measured))
+        first, second = self.plans
+        meta = first.meta  # the planner's choice carries both predictions
+        announce(f"{describe(self.plans[winner])} chosen after measuring both: "
+                 f"{describe(first)} {self.measured[0]:.3f} s/iteration, {describe(second)} {self.measured[1]:.3f} s "
+                 f"(predicted: sparse {meta['predicted_sparse_s']:.3f} s, dense {meta['predicted_dense_s']:.3f} s); "
+                 "pass dense=True or dense=False to DistributedOptimizer to force either")
+        return None if winner == SCHEDULE[-1] else self.plans[winner]
+
+    def state_dict(self) -> dict:
+        """Where the trial stands (JSON-safe), so that a resumed job finishes it."""
+        return {"plans": [p.to_dict() for p in self.plans], "steps": self.steps, "blocks": self.blocks,
+                "block": self._block, "skip": self._skip, "measured": self.measured}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "DenseTrial":
+        trial = cls(*(FusionPlan.from_dict(p) for p in state["plans"]), steps=state["steps"])
+        trial.blocks = [list(b) for b in state["blocks"]]
+        trial._block, trial._skip, trial.measured = state["block"], state["skip"], state["measured"]
+        return trial
+
+    @property
+    def done(self) -> bool:
+        return self._block is None
+
+
+def start(plan: FusionPlan) -> DenseTrial | None:
+    """After planning: announce a dense plan, and start a trial when the planner's two
+    predictions are close (``plan.meta`` holds them and the runner-up)."""
+    runner_up = plan.meta.get("runner_up")
+    sparse_s, dense_s = plan.meta.get("predicted_sparse_s"), plan.meta.get("predicted_dense_s")
+    if runner_up is None or sparse_s is None or dense_s is None:
+        if plan.dense:
+            announce("sending dense (dense=True)")
+        return None
+    if max(sparse_s, dense_s) > TRIAL_MARGIN * min(sparse_s, dense_s):
+        if plan.dense:
+            announce(f"dense allreduce predicted faster than sparse: {dense_s:.3f} s/iteration against "
+                     f"{sparse_s:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
+        return None
+    return DenseTrial(plan, FusionPlan.from_dict(runner_up))

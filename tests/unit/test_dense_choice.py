@@ -1,0 +1,140 @@
+"""The dense choice of ``fusion="safusion"``: priced by the planner, settled by measured steps,
+and a dense step that sends the residuals along."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import horovod_safusion as saf
+from horovod_safusion.generator import CostCurve, Profile, SAFusionPlanner, simulate
+from horovod_safusion.generator.choice import SCHEDULE, TRIAL_STEPS, DenseTrial, start
+from horovod_safusion.plan import FusionPlan
+from digits import DigitsCNN, load_digits_split
+from synthetic import synthetic_profile
+
+SIZES = [400_000, 4_000_000, 40_000, 4_000]
+
+
+def priced(dense_per_byte: float) -> Profile:
+    """A sparse job (density 0.01, 8-byte rows, 1 ms per message) with the dense allreduce priced
+    at 50 µs + ``dense_per_byte`` s per byte."""
+    p = synthetic_profile(SIZES, [0.0, 0.01, 0.02, 0.03], cp=(1e-4, 1e-9), cm=(1e-3, 1e-9))
+    big = 4 * sum(SIZES)
+    return dataclasses.replace(p, density=0.01, dense_comm=False,
+                               dense_allreduce=CostCurve([0, big], [5e-5, 5e-5 + dense_per_byte * big]))
+
+
+def test_a_cheap_dense_allreduce_is_chosen_and_an_expensive_one_is_not():
+    tensors = priced(0).tensors
+    fast = SAFusionPlanner().plan(tensors, priced(1e-12))
+    slow = SAFusionPlanner().plan(tensors, priced(1e-7))
+    assert fast.dense and not slow.dense
+    for plan, profile in ((fast, priced(1e-12)), (slow, priced(1e-7))):
+        sparse_s, dense_s = plan.meta["predicted_sparse_s"], plan.meta["predicted_dense_s"]
+        assert (dense_s < sparse_s) == plan.dense
+        runner_up = FusionPlan.from_dict(plan.meta["runner_up"])
+        assert runner_up.dense != plan.dense
+        chosen_profile = profile.as_dense() if plan.dense else profile
+        assert simulate(chosen_profile, plan).iteration == pytest.approx(min(sparse_s, dense_s))
+    # forced either way; without a priced dense allreduce there is nothing to choose
+    assert SAFusionPlanner(dense=True).plan(tensors, priced(1e-7)).dense
+    assert not SAFusionPlanner(dense=False).plan(tensors, priced(1e-12)).dense
+    unpriced = dataclasses.replace(priced(0), dense_allreduce=None)
+    assert not SAFusionPlanner().plan(tensors, unpriced).dense
+    with pytest.raises(ValueError, match="does not price one"):
+        SAFusionPlanner(dense=True).plan(tensors, unpriced)
+
+
+def test_dense_plans_and_priced_profiles_round_trip_and_differ_in_digest():
+    plan = SAFusionPlanner().plan(priced(0).tensors, priced(1e-12))
+    assert FusionPlan.from_json(plan.to_json()) == plan
+    sparse = dataclasses.replace(plan, dense=False)
+    assert sparse.digest() != plan.digest() and "dense allreduce differs" in plan.first_difference(sparse)
+    p = priced(1e-9)
+    q = Profile.from_dict(p.to_dict())
+    assert q.dense_allreduce(1e6) == p.dense_allreduce(1e6)
+
+
+def test_bad_dense_values_name_the_value_and_the_accepted_ones(hvd):
+    m = DigitsCNN(width=4)
+    with pytest.raises(ValueError, match=r"dense must be 'auto', True or False, got 'yes'"):
+        saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                 dense="yes")
+    with pytest.raises(ValueError, match="fusion='wfbp' cannot"):
+        saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                 fusion="wfbp", dense=True)
+    # never dense is what every other planner does anyway
+    saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                             fusion="wfbp", dense=False)
+
+
+def run_trial(trial: DenseTrial, seconds_of, hvd) -> list[int]:
+    """Feed ``trial`` the step seconds of the plan in use; returns the plan index per step."""
+    current, used = 0, []
+    while not trial.done:
+        used.append(current)
+        switch = trial.step_ends(seconds_of[current], hvd.global_process_set)
+        if switch is not None:
+            current = trial.plans.index(switch)
+    return used + [current]
+
+
+@pytest.mark.parametrize("faster", [0, 1])
+def test_a_trial_runs_a_b_b_a_and_keeps_the_plan_measured_faster(hvd, faster):
+    a = FusionPlan([["x"]], planner="safusion", meta={"predicted_sparse_s": 1.0, "predicted_dense_s": 0.9})
+    b = FusionPlan([["x"]], planner="safusion", dense=True)
+    trial = DenseTrial(a, b)
+    seconds = [1.0, 1.0]
+    seconds[1 - faster] = 2.0
+    used = run_trial(trial, seconds, hvd)
+    block = 1 + TRIAL_STEPS  # one unmeasured step after each switch
+    assert used[:-1] == [0] * block + [1] * (block + TRIAL_STEPS) + [0] * block
+    assert used[-1] == faster and trial.measured == seconds
+
+
+def test_a_trial_resumes_from_its_state(hvd):
+    a = FusionPlan([["x"]], planner="safusion", meta={"predicted_sparse_s": 1.0, "predicted_dense_s": 0.9})
+    b = FusionPlan([["x"]], planner="safusion", dense=True)
+    trial = DenseTrial(a, b)
+    for _ in range(1 + TRIAL_STEPS + 2):
+        trial.step_ends(1.0, hvd.global_process_set)
+    resumed = DenseTrial.from_state(trial.state_dict())
+    assert resumed.blocks == trial.blocks and resumed.plans == trial.plans
+    assert len(SCHEDULE) == 4
+
+
+def test_start_announces_a_decisive_dense_plan_and_tries_close_ones(hvd, capsys):
+    sparse = FusionPlan([["x"]], planner="safusion")
+    decisive = FusionPlan([["x"]], planner="safusion", dense=True,
+                          meta={"predicted_sparse_s": 3.0, "predicted_dense_s": 1.0, "runner_up": sparse.to_dict()})
+    assert start(decisive) is None
+    assert "dense allreduce predicted faster than sparse: 1.000 s/iteration against 3.000 s" in capsys.readouterr().err
+    close = dataclasses.replace(decisive, meta=dict(decisive.meta, predicted_sparse_s=1.2))
+    assert isinstance(start(close), DenseTrial)
+
+
+def test_a_dense_step_sends_the_residuals_along_and_keeps_none(hvd):
+    """After sparse steps, a dense plan sends gradient + residual of every parameter (one worker:
+    the average is the sum) and empties the residuals, so the switch loses nothing."""
+    torch.manual_seed(0)
+    m = DigitsCNN(width=4)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
+                                   fusion="wfbp", compressor="topk", density=0.05)
+    x, y, _, _ = load_digits_split()
+    for step in range(2):
+        opt.zero_grad()
+        F.cross_entropy(m(x[32 * step:32 * step + 32]), y[32 * step:32 * step + 32]).backward()
+        opt.step()
+    names = dict(m.named_parameters())
+    before = {n: opt.residuals.get(n, p.detach().reshape(-1)).clone() for n, p in names.items()}
+    assert any(r.abs().sum() > 0 for r in before.values())
+    opt.set_plan(dataclasses.replace(opt.plan, dense=True))
+    opt.zero_grad()
+    F.cross_entropy(m(x[64:96]), y[64:96]).backward()
+    local = {n: p.grad.detach().reshape(-1).clone() for n, p in names.items()}
+    opt.step()
+    for n, p in names.items():
+        assert torch.equal(p.grad.reshape(-1), local[n] + before[n]), n
+        assert opt.residuals.pop(n) is None, n
+    assert opt.last_stats.density == 1.0
