@@ -17,7 +17,9 @@ state are NumPy arrays indexed by segment, and compressors decide for all segmen
 selecting per tensor costs about what selecting per buffer does (``benchmarks/bench_compressors.py``
 measures both; SAFusion §5 measured +4.5–6.2 % for its per-tensor selection).
 A threshold above a segment's maximum is clipped to it, so every tensor with a nonzero gradient
-keeps at least one element; an all-zero segment sends nothing.
+keeps at least one element; an all-zero segment sends nothing, and an exact zero is never
+selected, however low a threshold is lowered (an embedding's gradient is zero outside the batch's
+rows: with fewer nonzeros than ``density · size``, a tensor sends its nonzeros, not itself whole).
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Sparse or dense, settled by measured step times (the dense choice of ``fusion="safusion"``).
 
+Ours, extending the generator of SAFusion §4 (Figure 12), which profiles and plans but always
+sparsifies: SAFusion §5 evaluates slow links, where sparsification pays; on a fast link a dense
+allreduce overlapped with back-propagation can be faster, and a user must never lose to it.
+
 The planner predicts the iteration time of its best sparse plan and of its best dense-allreduce
 plan from the profile (:class:`~horovod_safusion.generator.adaptive.SAFusionPlanner`, "Dense
 choice") and returns the faster. A prediction leaves out what the profile cannot see — the
@@ -7,7 +11,9 @@ decoding's memory traffic, the threads competing for the cores, Horovod's negoti
 the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
 blocks of ``steps`` measured steps, A B B A (a drift of the machine's speed hits both alike; the
 first step after each switch pays for new buffers and is not measured), and keeps the one
-measured faster. Every rank measures its own step times; their medians are reduced
+measured faster. When the prediction was decisive, the chosen plan is still measured for one
+block after the switch, and the trial goes on only if it measured slower than the other plan was
+predicted. Every rank measures its own step times; their medians are reduced
 by the maximum (the job is as fast as its slowest rank), so every rank decides alike and switches
 at the same step. Residuals are per parameter: a sparse plan keeps them, and the first dense step
 sends them along, so the trial loses no gradient.
@@ -51,11 +57,16 @@ class DenseTrial:
         first: the plan predicted faster (in use when the trial starts).
         second: the other one.
         steps: measured steps per block.
+        confirm_below: when the prediction was decisive: after the first block, ``first`` is
+            kept without trying ``second`` if it measured below this many seconds (``second``'s
+            predicted time); otherwise the trial goes on.
     """
 
-    def __init__(self, first: FusionPlan, second: FusionPlan, steps: int = TRIAL_STEPS) -> None:
+    def __init__(self, first: FusionPlan, second: FusionPlan, steps: int = TRIAL_STEPS,
+                 confirm_below: float | None = None) -> None:
         self.plans = (first, second)
         self.steps = steps
+        self.confirm_below = confirm_below
         self.blocks: list[list[float]] = [[] for _ in SCHEDULE]
         self._block: int | None = 0
         self._skip = 1  # steps not measured: the first step on a plan allocates its buffers
@@ -72,12 +83,26 @@ class DenseTrial:
         if len(block) < self.steps:
             return None
         self._block += 1
+        if self._block == 1 and self.confirm_below is not None and self._confirmed(process_set):
+            return None
         if self._block < len(SCHEDULE):
             if SCHEDULE[self._block] == SCHEDULE[self._block - 1]:
                 return None
             self._skip = 1
             return self.plans[SCHEDULE[self._block]]
         return self._decide(process_set)
+
+    def _confirmed(self, process_set: Any) -> bool:
+        """Whether the first plan measured faster than the other was predicted (then it stays)."""
+        first = float(np.median(self.blocks[0]))
+        first = hvd.allreduce(torch.tensor([first], dtype=torch.float64), op=hvd.Max,
+                              name="safusion.choice.confirm", process_set=process_set).item()
+        if first >= self.confirm_below:
+            announce(f"{describe(self.plans[0])} measured {first:.3f} s/iteration, more than the "
+                     f"{self.confirm_below:.3f} s predicted for {describe(self.plans[1])}: measuring both")
+            return False
+        self.measured, self._block = [first, float("nan")], None
+        return True
 
     def _decide(self, process_set: Any) -> FusionPlan | None:
         per_plan = [float(np.mean([np.median(b) for b, k in zip(self.blocks, SCHEDULE) if k == i])) for i in (0, 1)]
@@ -96,12 +121,14 @@ class DenseTrial:
 
     def state_dict(self) -> dict:
         """Where the trial stands (JSON-safe), so that a resumed job finishes it."""
-        return {"plans": [p.to_dict() for p in self.plans], "steps": self.steps, "blocks": self.blocks,
+        return {"plans": [p.to_dict() for p in self.plans], "steps": self.steps,
+                "confirm_below": self.confirm_below, "blocks": self.blocks,
                 "block": self._block, "skip": self._skip, "measured": self.measured}
 
     @classmethod
     def from_state(cls, state: dict) -> "DenseTrial":
-        trial = cls(*(FusionPlan.from_dict(p) for p in state["plans"]), steps=state["steps"])
+        trial = cls(*(FusionPlan.from_dict(p) for p in state["plans"]), steps=state["steps"],
+                    confirm_below=state.get("confirm_below"))
         trial.blocks = [list(b) for b in state["blocks"]]
         trial._block, trial._skip, trial.measured = state["block"], state["skip"], state["measured"]
         return trial
@@ -112,17 +139,19 @@ class DenseTrial:
 
 
 def start(plan: FusionPlan) -> DenseTrial | None:
-    """After planning: announce a dense plan, and start a trial when the planner's two
-    predictions are close (``plan.meta`` holds them and the runner-up)."""
+    """After planning: announce a dense plan, and start a trial (``plan.meta`` holds both
+    predictions and the runner-up): a full one when the predictions are close, else a check that
+    the chosen plan measures below the other's prediction."""
     runner_up = plan.meta.get("runner_up")
     sparse_s, dense_s = plan.meta.get("predicted_sparse_s"), plan.meta.get("predicted_dense_s")
     if runner_up is None or sparse_s is None or dense_s is None:
         if plan.dense:
             announce("sending dense (dense=True)")
         return None
+    other = FusionPlan.from_dict(runner_up)
     if max(sparse_s, dense_s) > TRIAL_MARGIN * min(sparse_s, dense_s):
         if plan.dense:
             announce(f"dense allreduce predicted faster than sparse: {dense_s:.3f} s/iteration against "
                      f"{sparse_s:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
-        return None
-    return DenseTrial(plan, FusionPlan.from_dict(runner_up))
+        return DenseTrial(plan, other, confirm_below=sparse_s if plan.dense else dense_s)
+    return DenseTrial(plan, other)

@@ -424,3 +424,29 @@ def test_selection_pass_steps_thresholds_into_the_band(compiled, monkeypatch):
     expected = torch.nonzero(a >= torch.repeat_interleave(torch.from_numpy(applied), torch.tensor(s.sizes))).squeeze(1)
     assert torch.equal(view.indices(), expected)
     assert view.counts().tolist() == s.counts(view.indices()).tolist()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("name", ["dgc", "gaussiank", "redsync", "sidco", "exdyna"])
+def test_threshold_compressors_never_send_exact_zeros(name, compiled, monkeypatch):
+    """An embedding-like segment whose gradient is zero outside a few rows, with fewer nonzeros than
+    k: step after step (residuals carried, so thresholds are reused and lowered), no selected
+    element is zero, so the segment sends its nonzeros, never itself whole."""
+    from horovod_safusion.compressors import segmented
+
+    monkeypatch.setattr(segmented.NumbaKernels, "DTYPES", segmented.NumbaKernels.DTYPES if compiled else ())
+    c = make_compressor(name, 0.05)
+    s = segs(100 * 64, 4_000)
+    residual = torch.zeros(s.numel)
+    for step in range(12):
+        g = torch.Generator().manual_seed(step)
+        grad = torch.zeros(s.numel)
+        rows = torch.randperm(100, generator=g)[:3]  # 3 rows of 64: 192 nonzeros < k = 320
+        for r in rows.tolist():
+            grad[r * 64:(r + 1) * 64] = torch.randn(64, generator=g)
+        grad[6400:] = torch.randn(4_000, generator=g)
+        flat = grad + residual
+        idx = c.select(flat, s, step)
+        assert bool((flat[idx] != 0).all()), (name, step)
+        assert int((idx < 6400).sum()) <= int((flat[:6400] != 0).sum())
+        residual = flat.index_fill(0, idx, 0)

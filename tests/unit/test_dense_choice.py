@@ -108,10 +108,25 @@ def test_start_announces_a_decisive_dense_plan_and_tries_close_ones(hvd, capsys)
     sparse = FusionPlan([["x"]], planner="safusion")
     decisive = FusionPlan([["x"]], planner="safusion", dense=True,
                           meta={"predicted_sparse_s": 3.0, "predicted_dense_s": 1.0, "runner_up": sparse.to_dict()})
-    assert start(decisive) is None
+    check = start(decisive)
     assert "dense allreduce predicted faster than sparse: 1.000 s/iteration against 3.000 s" in capsys.readouterr().err
+    assert check.confirm_below == 3.0
     close = dataclasses.replace(decisive, meta=dict(decisive.meta, predicted_sparse_s=1.2))
-    assert isinstance(start(close), DenseTrial)
+    assert start(close).confirm_below is None
+
+
+@pytest.mark.parametrize("measured", [1.0, 5.0])
+def test_a_decisive_choice_is_checked_by_measurement_and_tried_out_when_it_misses(hvd, capsys, measured):
+    sparse = FusionPlan([["x"]], planner="safusion")
+    dense = FusionPlan([["x"]], planner="safusion", dense=True,
+                       meta={"predicted_sparse_s": 3.0, "predicted_dense_s": 1.0, "runner_up": sparse.to_dict()})
+    trial = start(dense)
+    used = run_trial(trial, [measured, 2.0], hvd)
+    block = 1 + TRIAL_STEPS
+    if measured < 3.0:  # dense measured below sparse's prediction: kept, sparse never tried
+        assert used == [0] * (block + 1) and trial.measured[0] == measured
+    else:  # it missed: the full A B B A trial, which sparse wins
+        assert 1 in used and used[-1] == 1 and "measuring both" in capsys.readouterr().err
 
 
 def test_a_dense_step_sends_the_residuals_along_and_keeps_none(hvd):
