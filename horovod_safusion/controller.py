@@ -199,9 +199,12 @@ class Controller:
         # A dense plan (fusion="safusion" found a dense allreduce faster) sends every element of a
         # sparse compressor's job with Horovod's allreduce, residuals included.
         self._dense = self.compressor.dense or plan.dense
-        if plan.dense and self._dense_communicator is None:
-            self._dense_communicator = Allreduce(
-                process_set=self.communicator.process_set, compression=self.communicator.compression)
+        self._sender = self.communicator
+        if plan.dense and not self.compressor.dense:
+            if self._dense_communicator is None:
+                self._dense_communicator = Allreduce(
+                    process_set=self.communicator.process_set, compression=self.communicator.compression)
+            self._sender = self._dense_communicator
         self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
                         for i, names in enumerate(plan.buffers)]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
@@ -293,7 +296,7 @@ class Controller:
         buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if tl:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
-        comm = self._dense_communicator if self.plan.dense and not self.compressor.dense else self.communicator
+        comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
         residual = buf.flat if indices is not None and not buf.poisoned else None
         extra = {"residual": residual} if comm.wants_residual else {}
         buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)

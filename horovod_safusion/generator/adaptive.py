@@ -48,12 +48,11 @@ from .profile import Profile
 from .simulator import simulate
 
 GUARD_BUFFER_COUNTS = (1, 2, 4, 8, 16)
-DENSE_CHOICES = ("auto", True, False)
 
 
 def check_dense_choice(dense: "bool | str") -> "bool | str":
     """``dense=`` validated: ``"auto"``, ``True`` or ``False``."""
-    if not any(dense is c or (isinstance(c, str) and dense == c) for c in DENSE_CHOICES):
+    if not (dense is True or dense is False or dense == "auto"):
         raise ValueError(f"dense must be 'auto', True or False, got {dense!r}")
     return dense
 

@@ -161,7 +161,7 @@ class OnlineGenerator:
             self._samples.append(controller.recorder.resolve(now))
             controller.recorder = None
         self.steps += 1
-        if self.trial is not None and not self.trial.done:
+        if self.trial is not None and not self.trial.done and self._last_end is not None:  # (not after a resume)
             switch = self.trial.step_ends(clock.seconds(self._last_end, now), process_set)
             if switch is not None:
                 controller.set_plan(switch)

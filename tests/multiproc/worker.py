@@ -96,12 +96,10 @@ def scenario_dense_choice():
         opt.zero_grad()
         F.cross_entropy(m(x), y).backward()
         opt.step()
-    gen = opt._generator
-    out["auto"] = {"dense": opt.plan.dense, "trial_done": gen.trial is None or gen.trial.done,
+    every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
+    out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled,
                    "priced": opt.profile.dense_allreduce is not None,
-                   "predicted": [opt.profile.dense_allreduce(1e6) if opt.profile.dense_allreduce else None],
-                   "replicas_equal": bool(np.array_equal(*[np.asarray(a) for a in hvd.allgather_object(
-                       torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")][:2]))}
+                   "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
     ref_m, our_m = make(), make()
     ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
