@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners bench-peers clean
+.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: $(STAMP)
 LINKS ?= loopback 1gbit 200mbit
 bench-peers: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_peers.py --np $(NP) --links $(LINKS)
+
+bench-convergence: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) benchmarks/bench_convergence.py
 
 bench-planners: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -27,6 +27,12 @@ Three rules keep error feedback exact in real training loops:
   selected values are rounded here, before the collective, and what rounding dropped stays in the
   residual, so ``residual_after + sent == residual_before + grad`` holds for the values that were
   actually sent.
+
+DGC's accuracy techniques (:mod:`~horovod_safusion.momentum`, :mod:`~horovod_safusion.warmup`) act
+on what enters the residual: local clipping of each gradient, then momentum correction (the
+residual accumulates momentum ``u``, so the invariant reads ``residual_after + sent ==
+residual_before + u``, masking clears ``u`` where a sparse step sent), and a warm-up that sets the
+density of each step — a step at density 1 is sent dense, with Horovod's allreduce.
 """
 from __future__ import annotations
 
@@ -39,9 +45,11 @@ import horovod.torch as hvd
 from .communicators import Allreduce, Communicator, Pending
 from .communicators.base import wait
 from .compressors import Compressor
+from .momentum import LocalClipping, MomentumCorrection
 from .plan import FusionPlan
 from .residual import ResidualStore
 from .segment import Segments
+from .warmup import DensityWarmup
 from .timeline.recorder import COMPRESS, DECOMPRESS, MEMCPY_IN, MEMCPY_OUT
 
 
@@ -164,12 +172,18 @@ class Controller:
         sparse_as_dense: densify sparse gradients (as in Horovod) instead of rejecting them.
         loss_scale: returns the loss scale of the step being back-propagated (a ``GradScaler``'s),
             or ``None``; residuals are rescaled when it changes.
+        momentum: momentum correction (DGC): the residual accumulates local momentum.
+        clipping: local gradient clipping (DGC), applied to each gradient before error feedback.
+        warmup: the density of each step while warming up (DGC); the compressor's own density is
+            the target.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
                  compressor: Compressor, communicator: Communicator, op: int,
                  prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
-                 loss_scale: Callable[[], torch.Tensor | None] | None = None) -> None:
+                 loss_scale: Callable[[], torch.Tensor | None] | None = None,
+                 momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
+                 warmup: DensityWarmup | None = None) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicator = communicator
@@ -187,6 +201,9 @@ class Controller:
         self.recorder = None  # a StepRecorder while the generator profiles this step
         self.timeline = None  # a TimelineRecorder when the timeline is on (horovod_safusion.timeline)
         self._dense_communicator: Communicator | None = None
+        self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
+        self.target_density = 1.0 if compressor.dense else compressor.density
+        self._dense = compressor.dense
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -196,18 +213,35 @@ class Controller:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         plan.validate(self.params, {n: p.numel() for n, p in self.params.items()})
         self.plan = plan
-        # A dense plan (fusion="safusion" found a dense allreduce faster) sends every element of a
-        # sparse compressor's job with Horovod's allreduce, residuals included.
-        self._dense = self.compressor.dense or plan.dense
+        self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
+                        for i, names in enumerate(plan.buffers)]
+        self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
+        if self.momentum is not None:
+            self.momentum.attach(self.buffers)
+
+    def density_at(self, step: int) -> float:
+        """The density step ``step`` selects at (the warm-up's, else the target)."""
+        return self.warmup.density_at(step) if self.warmup is not None else self.target_density
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next step still belongs to the density warm-up."""
+        return self.warmup is not None and self.warmup.active(self.steps)
+
+    def _choose_sender(self) -> None:
+        """Whether this step sends dense, and with which communicator: a dense plan (fusion="safusion"
+        found a dense allreduce faster) or a warm-up step at density 1 sends every element of a
+        sparse compressor's job with Horovod's allreduce, residuals included."""
+        density = self.density_at(self.steps)
+        if self.warmup is not None and density < 1.0 and not self.compressor.dense:
+            self.compressor.density = density
+        self._dense = self.compressor.dense or self.plan.dense or density >= 1.0
         self._sender = self.communicator
-        if plan.dense and not self.compressor.dense:
+        if self._dense and not self.compressor.dense:
             if self._dense_communicator is None:
                 self._dense_communicator = Allreduce(
                     process_set=self.communicator.process_set, compression=self.communicator.compression)
             self._sender = self._dense_communicator
-        self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
-                        for i, names in enumerate(plan.buffers)]
-        self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
 
     # ---- push: called from the gradient hooks ----------------------------------------------
     def grad_ready(self, p: torch.Tensor) -> None:
@@ -232,9 +266,10 @@ class Controller:
     def _open_step(self) -> None:
         """The first gradient of a step: read its loss scale and how residuals must be rescaled."""
         self._step_open = True
+        self._choose_sender()
         scale = self.loss_scale() if self.loss_scale is not None else None
         self._step_scale = scale
-        if scale is None or self._residual_scale is None or self.compressor.dense:
+        if scale is None or self._residual_scale is None or (self.compressor.dense and self.momentum is None):
             self._rescale = None
         else:  # a 0-dim tensor: no host synchronisation, and it keeps the residual's dtype
             self._rescale = (scale / self._residual_scale).reshape(())
@@ -267,10 +302,14 @@ class Controller:
             buf.begin()
         seg = buf.flat[buf.segment(slot)]
         g = self._gradient(buf, slot)
+        if self.clipping is not None:
+            g = self.clipping(g)
+        if self.momentum is not None:
+            g = self.momentum.accumulate(buf, slot, g, self._rescale)
         name = buf.names[slot]
         # a dense step sends the residual left by sparse steps (if any) along, and keeps none
         r = None if self.compressor.dense else \
-            self.residuals.pop(name) if self.plan.dense else self.residuals.get(name, seg)
+            self.residuals.pop(name) if self._dense else self.residuals.get(name, seg)
         if r is None:
             seg.copy_(g)
         elif self._rescale is not None:
@@ -286,9 +325,13 @@ class Controller:
         t = tl.mark() if tl else None
         if self._dense:
             values, indices = buf.flat, None
+            if self.momentum is not None and _finite(buf.flat):  # a non-finite step leaves u as it was
+                self.momentum.commit(buf)
         elif not _finite(buf.flat):
-            values, indices = self._poisoned(buf)  # residuals stay as they were
+            values, indices = self._poisoned(buf)  # residuals (and momenta) stay as they were
         else:
+            if self.momentum is not None:
+                self.momentum.commit(buf)
             values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
             if indices is not None and self._wire_rounds:
                 values = self._round_for_wire(buf, values, indices)
@@ -366,6 +409,8 @@ class Controller:
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             if hit:
                 out, leftover = self._skipped(buf), None
+            elif self.momentum is not None and buf.indices is not None:
+                self.momentum.mask(buf, buf.indices)
             for slot, p in enumerate(buf.params):
                 self._write_grad(p, out[buf.segment(slot)])
                 if leftover is not None:

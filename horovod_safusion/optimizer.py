@@ -42,8 +42,10 @@ from .controller import Controller, StepStats
 from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
 from .generator.adaptive import check_dense_choice
 from .generator.online import OnlineGenerator
+from .momentum import LocalClipping, MomentumCorrection, check_momentum_groups, momentum_suspended
 from .plan import FusionPlan, check_plan_across_ranks
 from .timeline.recorder import TimelineRecorder, make_recorder
+from .warmup import DensityWarmup
 
 DEFAULT_FUSION = "safusion"
 _SUPPORTED_OPS = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum"}
@@ -56,8 +58,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
-                 grad_scaler=None, dense=None):
+                 grad_scaler=None, dense=None, momentum_correction=False, local_clipping=None,
+                 warmup_steps=0, warmup_schedule="exponential"):
         super(self.__class__, self).__init__(params)
+        if momentum_correction:
+            check_momentum_groups(self)  # an instance of the user's optimizer class, with its groups
         self._compression = compression
 
         if named_parameters is not None:
@@ -118,8 +123,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                          for n, p in self._named_trainable]
         self._generator = OnlineGenerator(self._planner, profile_steps=profile_steps, replan_every=replan_every)
         plan = self._generator.initial_plan(self._tensors)
-        self._controller = Controller(self._named_trainable, plan, comp, comm, op, prescale, postscale,
-                                      sparse_as_dense, loss_scale=_loss_scale(grad_scaler))
+        warmup = DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density)
+        self._momentum_correction = bool(momentum_correction)
+        self._controller = Controller(
+            self._named_trainable, plan, comp, comm, op, prescale, postscale, sparse_as_dense,
+            loss_scale=_loss_scale(grad_scaler),
+            momentum=MomentumCorrection(self.param_groups) if momentum_correction else None,
+            clipping=None if local_clipping is None else LocalClipping(local_clipping, process_set.size()),
+            warmup=warmup if warmup.steps else None)
         recorder = make_recorder(timeline)
         # Under Horovod elastic a worker may be built while the others are already training, so
         # the collectives below wait for hvd.elastic.TorchState's sync, which every worker reaches.
@@ -302,7 +313,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        loss = super(self.__class__, self).step(closure)
+        if self._momentum_correction:  # the plugin applied momentum and weight decay before sparsifying
+            with momentum_suspended(self.param_groups):
+                loss = super(self.__class__, self).step(closure)
+        else:
+            loss = super(self.__class__, self).step(closure)
         if self._generator.active and self.process_set.included():
             self._generator.step_ends(self._controller, self._tensors, self.process_set)
         if self._controller.timeline:
@@ -376,7 +391,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          replan_every: int | None = None,
                          timeline: "str | TimelineRecorder | None" = None,
                          grad_scaler: Any = None,
-                         dense: "bool | str | None" = None):
+                         dense: "bool | str | None" = None,
+                         momentum_correction: bool = False,
+                         local_clipping: float | None = None,
+                         warmup_steps: int = 0,
+                         warmup_schedule: str = "exponential"):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -420,6 +439,20 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                for a few steps when the predictions are close, and keeps the faster (on a fast
                link, or for a small model, a dense allreduce can win); ``True`` always sends
                dense, ``False`` never. Rank 0 says on standard error when it sends dense.
+        momentum_correction: DGC's momentum correction and momentum factor masking (Lin et al.,
+               ICLR'18): the wrapped ``torch.optim.SGD``'s momentum (and weight decay, and
+               Nesterov) is accumulated per worker *before* sparsification, and the SGD then steps
+               without them (its ``param_groups`` keep the values you set, read every step). Needs
+               an SGD with ``momentum > 0``; anything else is an error, so momentum is never
+               applied twice. Recommended at densities of 0.001 and below.
+        local_clipping: DGC's local gradient clipping: the global ``max_norm`` you would clip to;
+               each worker clips each tensor's gradient to ``max_norm / sqrt(workers)`` before
+               error feedback. Default ``None`` (off).
+        warmup_steps: send at a higher density for the first this many steps (DGC's warm-up);
+               every rank switches at the same step and residuals carry over. Default 0 (off).
+        warmup_schedule: ``"exponential"`` (four stages at ``density^(1/5)``, ``^(2/5)``, ``^(3/5)``,
+               ``^(4/5)``: DGC's 25 %, 6.25 %, 1.6 %, 0.4 % for 0.001) or ``"dense"`` (every element,
+               like PowerSGD's ``start_powerSGD_iter``).
 
     The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
     ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
@@ -457,7 +490,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                gradient_predivide_factor, groups, sparse_as_dense, process_set,
                compressor=compressor, density=density, communicator=communicator, fusion=fusion,
                profile_steps=profile_steps, replan_every=replan_every, timeline=timeline,
-               grad_scaler=grad_scaler, dense=dense)
+               grad_scaler=grad_scaler, dense=dense, momentum_correction=momentum_correction,
+               local_clipping=local_clipping, warmup_steps=warmup_steps, warmup_schedule=warmup_schedule)
 
 
 class SAFusionOptimizer:
@@ -520,7 +554,8 @@ def _safusion_state(opt, all_ranks: bool) -> dict:
     ctl, gen = opt._controller, opt._generator
     size, rank = opt.process_set.size(), opt.process_set.rank()
     local = {"residuals": ctl.residuals.state_dict(), "compressor": ctl.compressor.state_dict(),
-             "communicator": ctl.communicator.state_dict()}
+             "communicator": ctl.communicator.state_dict(),
+             "momenta": ctl.momentum.state_dict() if ctl.momentum is not None else {}}
     if all_ranks and size > 1:
         per_rank = dict(enumerate(checkpoint.gather(local, "saf.state_dict", opt.process_set)))
     else:
@@ -528,7 +563,7 @@ def _safusion_state(opt, all_ranks: bool) -> dict:
     return {
         "format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
         "ranks": per_rank, "steps": ctl.steps, "loss_scale": ctl._residual_scale,
-        "compressor": type(ctl.compressor).__name__, "density": ctl.compressor.density,
+        "compressor": type(ctl.compressor).__name__, "density": ctl.target_density,
         "communicator": type(ctl.communicator).__name__,
         "plan": ctl.plan.to_json(), "generator": gen.state_dict(),
     }
@@ -540,16 +575,18 @@ def _load_safusion_state(opt, saved: dict) -> None:
     old_size, per_rank = int(saved["world_size"]), saved["ranks"]
     # this rank's own state where the checkpoint has it, else that of the rank it takes over from
     source = per_rank.get(rank if old_size == size else rank % old_size) or next(iter(per_rank.values()))
-    if saved["compressor"] != type(ctl.compressor).__name__ or saved["density"] != ctl.compressor.density:
+    if saved["compressor"] != type(ctl.compressor).__name__ or saved["density"] != ctl.target_density:
         warnings.warn(f"the checkpoint was saved with compressor {saved['compressor']} at density "
                       f"{saved['density']}; this optimizer uses {type(ctl.compressor).__name__} at density "
-                      f"{ctl.compressor.density}: error-feedback residuals and compressor state start empty")
+                      f"{ctl.target_density}: error-feedback residuals and compressor state start empty")
         ctl.residuals.load_state_dict({})
     else:
         ctl.compressor.load_state_dict(source["compressor"])
         _load_residuals(opt, {r: v["residuals"] for r, v in per_rank.items()}, old_size,
                         bool(saved["all_ranks"]), size, rank)
         ctl._residual_scale = saved["loss_scale"]
+        if ctl.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
+            ctl.momentum.load_state_dict(source["momenta"])
     if saved["communicator"] == type(ctl.communicator).__name__ and old_size == size:
         ctl.communicator.load_state_dict(source["communicator"])
     ctl.steps = int(saved["steps"])

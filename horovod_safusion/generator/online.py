@@ -161,7 +161,9 @@ class OnlineGenerator:
             self._samples.append(controller.recorder.resolve(now))
             controller.recorder = None
         self.steps += 1
-        if self.trial is not None and not self.trial.done and self._last_end is not None:  # (not after a resume)
+        # (not after a resume, and not while the density warms up: those steps do not time the plan)
+        if self.trial is not None and not self.trial.done and self._last_end is not None \
+                and not controller.warming_up:
             switch = self.trial.step_ends(clock.seconds(self._last_end, now), process_set)
             if switch is not None:
                 controller.set_plan(switch)
@@ -188,11 +190,11 @@ class OnlineGenerator:
         prefix = float(np.median([x["prefix"] for x in s]))
         suffix = float(np.median([x["suffix"] for x in s]))
         buf = max(controller.buffers, key=lambda b: b.numel)
-        cp_sizes, cp_secs, per_segment = compression_sweep(controller.compressor, [t.numel for t in tensors],
-                                                           buf.dtype, buf.device)
+        comp = planned_compressor(controller)
+        cp_sizes, cp_secs, per_segment = compression_sweep(comp, [t.numel for t in tensors], buf.dtype, buf.device)
         cm_bytes, cm_secs = communication_sweep(controller, tensors, process_set)
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
-        priced = (getattr(self.planner, "prices_dense", False) and not controller.compressor.dense
+        priced = (getattr(self.planner, "prices_dense", False) and not comp.dense
                   and not controller.communicator.dense and process_set.size() > 1)
         dense_bytes, dense_secs = dense_allreduce_sweep(controller, tensors, process_set) if priced else ([], [])
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
@@ -208,7 +210,7 @@ class OnlineGenerator:
         ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
 
         order = sorted(range(L), key=lambda i: (ready[i], i))
-        comp, comm = controller.compressor, controller.communicator
+        comm = controller.communicator
         wire = _wire_bytes(comm, {t.name: controller.params[t.name].dtype for t in tensors})
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
@@ -217,6 +219,17 @@ class OnlineGenerator:
             workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
+
+
+def planned_compressor(controller):
+    """The job's compressor at the density the plan is for (a copy during a density warm-up, whose
+    steps select more): plans are made for the steady state."""
+    comp = controller.compressor
+    if comp.dense or comp.density == controller.target_density:
+        return comp
+    comp = copy.deepcopy(comp)
+    comp.density = controller.target_density
+    return comp
 
 
 def _allreduce(values: list[float], op: int, name: str, process_set) -> list[float]:
@@ -277,10 +290,10 @@ def compression_sweep(compressor, numels: Sequence[int], dtype: torch.dtype = to
 def communication_sweep(controller, tensors: Sequence[TensorInfo], process_set,
                         reps: int = 3) -> tuple[list[float], list[float]]:
     """Seconds of one collective of the job's communicator for swept message sizes (all ranks)."""
-    comm, comp = controller.communicator, controller.compressor
+    comm = controller.communicator
     buf = max(controller.buffers, key=lambda b: b.numel)
     total = sum(t.numel for t in tensors)
-    density = 1.0 if comp.dense else comp.density
+    density = controller.target_density
     most = total if comm.dense else max(1, int(1.5 * density * total) + len(tensors))
     clock = Clock(buf.device)
     nbytes, seconds = [], []

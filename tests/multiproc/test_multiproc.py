@@ -69,6 +69,26 @@ def test_sparse_aggregation_matches_independent_reference(job):
             assert 0.005 < rec[c]["density"] < 0.05, (c, rec[c])
 
 
+def test_dgc_techniques_conserve_and_switch_density_together(job):
+    """Momentum correction, masking, local clipping and warm-up: exact conservation of the new
+    state, masking where sent, every rank at the same density at every step, replicas identical."""
+    recs = per_rank(job, "dgc_techniques")
+    for schedule in ("exponential", "dense"):
+        runs = [r[schedule] for r in recs]
+        for r in runs:
+            assert r["conservation_diff"] < 1e-6, (schedule, r)
+            assert r["mask_violations"] == 0, (schedule, r)
+            assert 0.005 < r["final_density"] < 0.05, (schedule, r)
+        assert all(r["densities"] == runs[0]["densities"] for r in runs), schedule
+        assert all(r["dense_steps"] == runs[0]["dense_steps"] for r in runs), schedule
+        assert len({r["checksum"] for r in runs}) == 1, (schedule, [r["checksum"] for r in runs])
+        dense = runs[0]["dense_steps"]
+        assert dense == ([True] * 6 + [False] * 3 if schedule == "dense" else [False] * 9), dense
+        if schedule == "exponential":
+            d = runs[0]["densities"]
+            assert d[0] > d[2] > d[3] > d[5] > d[6] == 0.01, d
+
+
 def test_unused_parameters_neither_hang_nor_lose_gradient(job):
     recs = per_rank(job, "unused_parameters")
     for label in ("none", "topk@0.25"):

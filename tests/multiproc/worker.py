@@ -170,6 +170,53 @@ def scenario_sparse_aggregation():
     return out
 
 
+def scenario_dgc_techniques():
+    """Momentum correction with masking, local clipping and a density warm-up under dgc at 0.01:
+    per step, the job's aggregate is the mean of what left every rank (``before + u − after``,
+    with ``u = m·u_prev + g`` computed here), u is masked exactly where the rank sent, and every
+    rank selects at the same density and sends dense at the same steps. Records the final
+    parameters' checksum (ranks must agree bit for bit)."""
+    out = {}
+    for schedule in ("exponential", "dense"):
+        m = make(width=16)
+        opt = saf.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), named_parameters=m.named_parameters(),
+            compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False,
+            momentum_correction=True, local_clipping=5.0, warmup_steps=6, warmup_schedule=schedule)
+        ctl = opt._controller
+        named = list(m.named_parameters())
+        worst_cons, mask_violations, densities, dense_steps = 0.0, 0, [], []
+        for step in range(9):
+            before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            u_prev = [ctl.momentum.momentum(n).clone() for n, _ in named]
+            opt.zero_grad()
+            x, y = batch(step)
+            F.cross_entropy(m(x), y).backward()
+            clipped = [ctl.clipping(p.grad.detach().view(-1)) for _, p in named]
+            opt.synchronize()
+            densities.append(ctl.compressor.density)
+            dense_steps.append(bool(ctl._dense))
+            u_new = [torch.add(g, u, alpha=0.9) for g, u in zip(clipped, u_prev)]
+            acc = [r + u for r, u in zip(before, u_new)]
+            after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            for (n, _), u, a, r in zip(named, u_new, acc, after):
+                got = ctl.momentum.momentum(n)
+                masked = got != u
+                mask_violations += int((got[masked] != 0).sum()) + int((a[masked] == r[masked]).sum())
+            all_acc, all_after = gather_dense(acc), gather_dense(after)
+            for i, (_, p) in enumerate(named):
+                sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
+                worst_cons = max(worst_cons, float(np.abs(p.grad.detach().view(-1).double().numpy()
+                                                          - sent_mean).max()))
+            with opt.skip_synchronize():
+                opt.step()
+        out[schedule] = {"conservation_diff": worst_cons, "mask_violations": mask_violations,
+                         "densities": densities, "dense_steps": dense_steps,
+                         "checksum": float(sum(p.detach().double().sum() for p in m.parameters())),
+                         "final_density": opt.last_stats.density}
+    return out
+
+
 class Branchy(nn.Module):
     """``only_rank0`` is used on rank 0 only; ``never`` is never used."""
 

@@ -1,0 +1,176 @@
+"""DGC's accuracy techniques through the real optimizer in a one-worker Horovod job: momentum
+correction and factor masking (exact conservation of the new state, masking, equivalence with
+SGD's momentum when everything is sent), local gradient clipping, and the density warm-up."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import horovod_safusion as saf
+from horovod_safusion.generator import NaivePlanner
+from horovod_safusion.warmup import STAGES, DensityWarmup
+from digits import DigitsCNN, load_digits_split
+
+DATA = load_digits_split()
+
+
+def make(momentum=0.9, nesterov=False, weight_decay=0.0, seed=0, width=8, **kwargs):
+    torch.manual_seed(seed)
+    model = DigitsCNN(width=width)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, nesterov=nesterov,
+                          weight_decay=weight_decay)
+    kwargs.setdefault("fusion", NaivePlanner(capacity_bytes=4096))
+    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kwargs)
+    return model, opt
+
+
+def backward(model, step):
+    x, y, _, _ = DATA
+    sl = slice(step * 64, (step + 1) * 64)
+    F.cross_entropy(model(x[sl]), y[sl]).backward()
+
+
+@pytest.mark.parametrize("nesterov,weight_decay", [(False, 0.0), (True, 0.0), (False, 5e-4)])
+def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
+    """Per parameter and step: u_t = m·u_{t−1} + g + wd·w, the residual gains u_t (Nesterov:
+    g + wd·w + m·u_t), ``residual_after + sent == residual_before + u_t`` exactly, and u is cleared
+    exactly where the step sent."""
+    model, opt = make(nesterov=nesterov, weight_decay=weight_decay, compressor="topk", density=0.05,
+                      momentum_correction=True)
+    m = 0.9
+    names = dict(model.named_parameters())
+    ctl = opt._controller
+    sent_somewhere = 0
+    for step in range(5):
+        before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
+        u_before = {n: ctl.momentum.momentum(n).clone() for n in names}
+        weights = {n: p.detach().view(-1).clone() for n, p in names.items()}
+        opt.zero_grad()
+        backward(model, step)
+        grads = {n: p.grad.detach().view(-1).clone() for n, p in names.items()}
+        opt.synchronize()
+        for n, p in names.items():
+            d = grads[n] if weight_decay == 0 else torch.add(grads[n], weights[n], alpha=weight_decay)
+            u = torch.add(d, u_before[n], alpha=m)
+            increment = torch.add(d, u, alpha=m) if nesterov else u
+            sent = p.grad.view(-1)
+            after = opt.residuals.get(n, sent)
+            assert torch.equal(after + sent, before[n] + increment), f"{n}: mass lost at step {step}"
+            picked = sent != 0
+            u_after = ctl.momentum.momentum(n)
+            assert torch.equal(u_after[picked], torch.zeros_like(u_after[picked])), f"{n}: not masked"
+            assert torch.equal(u_after[~picked], u[~picked]), f"{n}: momentum changed where nothing was sent"
+            sent_somewhere += int(picked.sum())
+        with opt.skip_synchronize():
+            opt.step()
+        for g in opt.param_groups:  # the user's values are back after the step
+            assert g["momentum"] == m and g["weight_decay"] == weight_decay and g["nesterov"] == nesterov
+    assert sent_somewhere > 0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_at_density_1_is_sgd_with_momentum(hvd, nesterov):
+    """Everything sent (dense, no masking): the same trajectory as the wrapped SGD's own momentum,
+    to float rounding (the order of additions differs)."""
+    ref_model, ref = make(nesterov=nesterov, weight_decay=1e-3, compressor="none", fusion="horovod")
+    model, opt = make(nesterov=nesterov, weight_decay=1e-3, compressor="topk", density=1.0,
+                      momentum_correction=True)
+    for step in range(6):
+        for mdl, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            backward(mdl, step)
+            o.step()
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
+    assert all(not opt.state[p] for p in model.parameters())  # SGD kept no momentum buffer of its own
+
+
+def test_momentum_correction_needs_sgd_with_momentum(hvd):
+    torch.manual_seed(0)
+    model = DigitsCNN(width=4)
+    with pytest.raises(ValueError, match="every parameter group has momentum=0"):
+        saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), momentum_correction=True)
+    with pytest.raises(ValueError, match="got Adam"):
+        saf.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                 named_parameters=model.named_parameters(), momentum_correction=True)
+    with pytest.raises(ValueError, match="dampening=0.1"):
+        saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1),
+                                 named_parameters=model.named_parameters(), momentum_correction=True)
+
+
+def test_momentum_survives_a_new_plan_and_a_checkpoint(hvd):
+    model, opt = make(compressor="dgc", density=0.05, momentum_correction=True)
+    for step in range(3):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+    ctl = opt._controller
+    momenta = {n: ctl.momentum.momentum(n).clone() for n, _ in model.named_parameters()}
+    assert any(u.abs().sum() > 0 for u in momenta.values())
+    opt.set_plan(saf.FusionPlan([[n] for n in opt.plan.names], order="ahead", planner="per-tensor"))
+    for n, u in momenta.items():
+        assert torch.equal(ctl.momentum.momentum(n), u)
+    state = opt.state_dict()
+    model2, opt2 = make(compressor="dgc", density=0.05, momentum_correction=True)
+    opt2.load_state_dict(state)
+    for n, u in momenta.items():
+        assert torch.equal(opt2._controller.momentum.momentum(n), u)
+
+
+def test_local_clipping_bounds_each_tensor(hvd):
+    """With a bound far below the gradients' norms, each tensor enters error feedback at norm
+    max_norm / sqrt(workers) (one worker here): the residual plus what was sent is that."""
+    ref, _ = make(momentum=0.0, compressor="none", fusion="horovod")
+    backward(ref, 0)
+    norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters()}
+    model, opt = make(momentum=0.0, compressor="topk", density=0.05, local_clipping=1e-3)
+    opt.zero_grad()
+    backward(model, 0)
+    opt.synchronize()
+    clipped = 0
+    for n, p in model.named_parameters():
+        total = float((opt.residuals.get(n, p.grad.view(-1)) + p.grad.view(-1)).norm())
+        if norms[n] > 1e-3:
+            assert math.isclose(total, 1e-3, rel_tol=1e-3), n
+            clipped += 1
+        else:
+            assert math.isclose(total, norms[n], rel_tol=1e-3, abs_tol=1e-9), n
+    assert clipped > 0
+    with pytest.raises(ValueError, match="local_clipping must be a positive finite norm"):
+        make(local_clipping=-1.0)
+
+
+def test_warmup_schedules():
+    w = DensityWarmup(100, "exponential", 0.001)
+    stages = [w.density_at(s) for s in range(0, 100, 25)]
+    assert stages == pytest.approx([0.001 ** ((i + 1) / (STAGES + 1)) for i in range(STAGES)])
+    assert stages[0] == pytest.approx(0.251, abs=1e-3) and stages[-1] == pytest.approx(0.00398, abs=1e-5)
+    assert w.density_at(24) == w.density_at(0) and w.density_at(100) == 0.001
+    d = DensityWarmup(10, "dense", 0.01)
+    assert [d.density_at(s) for s in (0, 9, 10)] == [1.0, 1.0, 0.01]
+    with pytest.raises(ValueError, match="warmup_schedule='linear' is not a schedule; accepted: 'exponential', 'dense'"):
+        DensityWarmup(10, "linear", 0.01)
+    with pytest.raises(ValueError, match="warmup_steps must be a non-negative int"):
+        DensityWarmup(-1, "dense", 0.01)
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "dense"])
+def test_warmup_sends_more_then_the_target(hvd, schedule):
+    """The measured density follows the schedule, dense steps go through Horovod's allreduce with
+    the residual sent along, and after warm-up the target density is back."""
+    model, opt = make(compressor="topk", density=0.01, warmup_steps=8, warmup_schedule=schedule)
+    w = DensityWarmup(8, schedule, 0.01)
+    seen = []
+    for step in range(10):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+        seen.append(opt.last_stats.density)
+        if w.density_at(step) < 1:
+            assert seen[-1] == pytest.approx(w.density_at(step), rel=0.5)
+        else:
+            assert seen[-1] == 1.0 and not any(r.abs().sum() for r in opt.residuals.state_dict().values())
+    assert seen[-1] < 0.02 and opt.compressor.density == 0.01
+    assert opt.state_dict()["safusion"]["density"] == 0.01
