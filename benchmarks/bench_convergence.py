@@ -26,9 +26,11 @@ Schemes (keys): ``horovod`` (``hvd.DistributedOptimizer``, dense); ``ddp-powersg
 with PowerSGD's hook, rank 4, dense for the warm-up's steps, one bucket; a ``torch.distributed``
 gloo group in the same processes); ``FUSION@DENSITY`` for each fusion planner in ``--fusions``
 and density in ``--densities`` with DGC's compressor (the default), and the same with ``+dgc``:
-``momentum_correction=True``, ``warmup_steps`` = ``--warmup-fraction`` of the run
-(exponential schedule) and, where the task clips, ``local_clipping`` at the same norm instead
-of the global clip; ``safusion@0.01/COMPRESSOR`` for every other registered compressor. Ours
+``momentum_correction=True`` (with DGC's momentum factor masking), ``warmup_steps`` =
+``--warmup-fraction`` of the run (exponential schedule) and, where the task clips,
+``local_clipping`` at the same norm instead of the global clip; ``safusion@D+dgc+nomask`` the
+same without masking; ``safusion@0.01/COMPRESSOR`` for every other registered compressor.
+``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``. Ours
 always sparsify (``dense=False``), so the comparison is of the sparse algorithms.
 
 Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
@@ -149,12 +151,13 @@ def scheme_keys(args) -> list[str]:
     for fusion in args.fusions:
         for d in args.densities:
             keys += [f"{fusion}@{d:g}", f"{fusion}@{d:g}+dgc"]
+    keys += [f"safusion@{d:g}+dgc+nomask" for d in args.densities if "safusion" in args.fusions]
     others = [c for c in saf.available_compressors() if c not in ("none", "dgc")]
     keys += [f"safusion@0.01/{c}" for c in others]
     return keys
 
 
-TECHNIQUES = {"mc": "momentum correction", "clip": "local clipping", "warmup": "density warm-up"}
+TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping", "warmup": "density warm-up"}
 
 
 def parse_key(key: str) -> dict:
@@ -196,7 +199,8 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
     kw = parse_key(key)
     techniques = kw.pop("techniques")
-    extra = {"momentum_correction": "mc" in techniques, "warmup_steps": warmup if "warmup" in techniques else 0}
+    extra = {"momentum_correction": "mc" in techniques, "momentum_masking": "nomask" not in techniques,
+             "warmup_steps": warmup if "warmup" in techniques else 0}
     local = "clip" in techniques and task.clip is not None
     if local:
         extra["local_clipping"] = task.clip
