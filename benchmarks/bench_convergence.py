@@ -354,14 +354,14 @@ def main() -> None:
         results[model] = {"runs": runs, "summary": summarise(model, runs, task.higher_is_better),
                           "steps_per_epoch": task.steps_per_epoch(), "epochs": task.epochs,
                           "params": sum(p.numel() for p in task.model().parameters())}
+        if rank == 0:  # each model's table and files as soon as it is done
+            print_table(model, TASKS[model], results[model]["summary"], args, size)
+            os.makedirs(args.out, exist_ok=True)
+            plot(model, TASKS[model], runs, os.path.join(args.out, f"convergence_{model}.png"))
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump({"args": vars(args), "workers": size, "torch": torch.__version__,
+                           "minutes": (time.time() - t_start) / 60, "results": results}, f, indent=1)
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        for model, res in results.items():
-            print_table(model, TASKS[model], res["summary"], args, size)
-            plot(model, TASKS[model], res["runs"], os.path.join(args.out, f"convergence_{model}.png"))
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"args": vars(args), "workers": size, "torch": torch.__version__,
-                       "minutes": (time.time() - t_start) / 60, "results": results}, f, indent=1)
         print(f"\n{(time.time() - t_start) / 60:.1f} minutes; wrote {args.out}/results.json and "
               f"convergence_*.png")
     dist.destroy_process_group()
