@@ -158,18 +158,19 @@ def scheme_keys(args) -> list[str]:
 
 
 TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping", "warmup": "density warm-up"}
+DGC = {"mc", "clip", "warmup"}
 
 
 def parse_key(key: str) -> dict:
     """``fusion@density[/compressor][+technique...]`` → optimizer keyword arguments and the set of
-    DGC techniques (``+dgc`` is ``+mc+clip+warmup``)."""
+    DGC techniques (``+dgc`` is ``+mc+clip+warmup``, masking on)."""
     body, *flags = key.split("+")
     techniques = set()
     for f in flags:
         if f != "dgc" and f not in TECHNIQUES:
             raise SystemExit(f"--schemes {key}: unknown technique +{f}; known: +dgc, "
                              + ", ".join(f"+{t} ({d})" for t, d in TECHNIQUES.items()))
-        techniques |= set(TECHNIQUES) if f == "dgc" else {f}
+        techniques |= DGC if f == "dgc" else {f}
     fusion, _, rest = body.partition("@")
     density, _, compressor = rest.partition("/")
     if fusion not in saf.available_planners():
