@@ -11,9 +11,13 @@ next threshold is ``δ · sf`` with (Algorithm 5, lines 1–8)::
          1 − γ       otherwise
 
 so selection costs one comparison pass and the actual density settles at the target over
-iterations; as in ExDyna's Algorithm 1 (line 14), ``k′`` and ``k`` are totals over the selection
-(the whole buffer), so one decision per step scales every threshold. A segment's first threshold
-is its exact k-th largest magnitude.
+iterations. A segment's first threshold is its exact k-th largest magnitude. ExDyna selects with
+one threshold over the whole gradient, so its Algorithm 1 (line 14) scales by totals; here every
+segment (every tensor under ``ahead``) has a threshold of its own, and each is scaled by its own
+``k′/k`` — with one segment per buffer (``behind``) that is the paper's rule. (Scaled together by
+the buffer's totals, thresholds drifted apart unseen: on the digits CNN at density 0.01 with 3
+workers the total was on target, 0.0102, while the largest tensor sent 0.0001 of its elements and
+small ones 7–14 %.)
 
 With ``relative=True`` (the default, our addition) δ is kept in units of the segment's current mean
 magnitude: the threshold applied is ``δ · mean|x|``. The gradient's scale changes from one
@@ -70,12 +74,13 @@ class ExDyna(ThresholdCompressor):
 
     def scale(self, names: tuple[str, ...], selected: int, target: int) -> None:
         """Algorithm 5 with ``exam = selected / target`` on the thresholds of ``names``."""
-        sf = self._factor(selected / max(1, target))
+        sf = float(self._factor(selected / max(1, target)))
         for n in names:
             self._threshold[n] *= sf
 
-    def _factor(self, exam: float) -> float:
-        return 1 + self.gamma if exam > self.beta else 1 + self.gamma / 4 if exam > 1 / self.beta else 1 - self.gamma
+    def _factor(self, exam: "float | np.ndarray") -> "float | np.ndarray":
+        """Algorithm 5's scaling factor for ``exam = k′/k`` (a number, or one per segment)."""
+        return np.where(exam > self.beta, 1 + self.gamma, np.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0
@@ -91,5 +96,5 @@ class ExDyna(ThresholdCompressor):
             names = tuple(n for n, alive in zip(view.segments.names, live.tolist()) if alive)
             self.last_selection = (names, int(view.k[live].sum()))
             return
-        exam = float(counts[live].sum()) / max(1.0, float(view.k[live].sum()))  # k'/k, Alg. 1 l. 14
+        exam = counts[live] / np.maximum(1.0, view.k[live])  # k'/k per segment (Alg. 5 per threshold)
         self._threshold.of(view.segments.names)[live] *= self._factor(exam)

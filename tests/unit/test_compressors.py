@@ -157,9 +157,11 @@ def test_exdyna_scales_thresholds_by_algorithm_5():
     k0 = float(torch.topk(flat[:200_000].abs(), 2000).values.min())
     assert first["s0"] == pytest.approx(k0 * 1.025, rel=1e-6)
     assert first["s3"] == 0.0  # the all-zero tensor: its k-th largest, never scaled
-    c._threshold.update(s0=0.0, s1=0.0)  # select (almost) everything: exam = k'/k > β → ×(1 + γ)
+    c._threshold.update(s0=0.0, s1=0.0)  # s0, s1 select (almost) everything: exam > β → ×(1 + γ)
     c.select(flat.clone(), s, 1)
-    assert c._threshold["s2"] == pytest.approx(first["s2"] * 1.1, rel=1e-6)  # one decision for all
+    # each threshold by its own count: s2 selected its k again → ×(1 + γ/4), not its neighbours' ×(1 + γ)
+    assert c._threshold["s2"] == pytest.approx(first["s2"] * 1.025, rel=1e-6)
+    assert c._threshold["s0"] == 0.0  # 0 × (1 + γ)
     c._threshold.update(s0=1e9, s1=1e9, s2=1e9)  # only each maximum: exam < 1/β → ×(1 − γ)
     c.select(flat.clone(), s, 2)
     assert c._threshold["s0"] == pytest.approx(1e9 * 0.9)
@@ -450,3 +452,17 @@ def test_threshold_compressors_never_send_exact_zeros(name, compiled, monkeypatc
         assert bool((flat[idx] != 0).all()), (name, step)
         assert int((idx < 6400).sum()) <= int((flat[:6400] != 0).sum())
         residual = flat.index_fill(0, idx, 0)
+
+
+def test_exdyna_scales_each_tensor_by_its_own_count():
+    """A threshold far too high beside one far too low: the totals are on target, yet each
+    segment is corrected towards its own k (scaled by the totals, both would stay where they are)."""
+    s, flat = segs(20_000, 20_000), torch.randn(40_000, generator=torch.Generator().manual_seed(3))
+    c = ExDyna(density=0.01, gamma=0.05, relative=False)
+    c.select(flat.clone(), s, 0)
+    c._threshold.update(s0=c._threshold["s0"] * 1.3, s1=c._threshold["s1"] * 0.85)
+    first = s.counts(c.select(flat.clone(), s, 1))
+    assert first[0] < 100 < first[1]
+    for step in range(2, 40):
+        last = s.counts(c.select(flat.clone(), s, step))
+    assert all(0.7 * 200 <= n <= 1.5 * 200 for n in last), last
