@@ -13,7 +13,7 @@ residual, and corrects it by accumulating *momentum* locally instead (§3.2, Eq.
 and the wrapped SGD then applies the aggregate *without* momentum or weight decay. Momentum
 factor masking (§3.3) clears ``u`` where ``v`` was sent, so that a sent element does not keep
 pushing in a stale direction. Steps sent dense (warm-up, the dense choice, density 1) keep ``u``
-whole, as DGC's uncompressed tensors do: at density 1 this is exactly SGD with momentum.
+whole, as DGC's uncompressed tensors do: at density 1 this is SGD with momentum (to rounding).
 
 :class:`MomentumCorrection` owns ``u``, per fusion buffer as two flat tensors used in turn: a step
 writes ``u_t`` into the one that does not hold ``u_{t−1}`` (no copy), and only a buffer that was
