@@ -223,15 +223,15 @@ def train(key: str, task: Task, seed: int, args) -> dict:
             t0 = time.perf_counter()
             opt.zero_grad()
             task.loss(model, perm, i).backward()
-            if clip is None or isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
-            else:  # Horovod's recipe for clipping the aggregated gradient
+            if clip is not None and hasattr(opt, "synchronize"):  # Horovod's recipe: clip the aggregate
                 opt.synchronize()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 with opt.skip_synchronize():
                     opt.step()
+            else:  # DDP's gradients are averaged by backward() already
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
             elapsed += time.perf_counter() - t0
             step += 1
             stats = getattr(opt, "last_stats", None)

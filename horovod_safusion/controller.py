@@ -203,7 +203,7 @@ class Controller:
         self._dense_communicator: Communicator | None = None
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
         self.target_density = 1.0 if compressor.dense else compressor.density
-        self._dense = compressor.dense
+        self._dense, self._sender = compressor.dense, communicator  # per step: _choose_sender()
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-MOMENTUM_KEYS = ("momentum", "dampening", "nesterov", "weight_decay")
+MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped step runs without
 
 
 def check_momentum_groups(optimizer: torch.optim.Optimizer) -> None:
@@ -83,22 +83,21 @@ class MomentumCorrection:
     def __init__(self, groups: Sequence[dict], masking: bool = True) -> None:
         self._group = {id(p): g for g in groups for p in g["params"]}
         self.masking = masking
-        self._momenta: dict[str, torch.Tensor] = {}  # name → flat view of its buffer's current u
         self._flats: dict[int, list[torch.Tensor]] = {}  # buffer index → its two flats
-        self._current: dict[int, int] = {}
+        self._current: dict[int, int] = {}  # buffer index → which flat holds u
+        self._where: dict[str, tuple[int, slice]] = {}  # name → (buffer index, segment)
 
     def attach(self, buffers) -> None:
         """Give every buffer of a new plan its two momentum flats, carrying every parameter's ``u``."""
-        old = self._momenta
-        self._momenta, self._flats, self._current = {}, {}, {}
+        old = {name: self.momentum(name) for name in self._where}
+        self._flats, self._current, self._where = {}, {}, {}
         for buf in buffers:
             flats = [torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device) for _ in range(2)]
             self._flats[buf.index], self._current[buf.index] = flats, 0
             for slot, name in enumerate(buf.names):
-                view = flats[0][buf.segment(slot)]
+                self._where[name] = (buf.index, buf.segment(slot))
                 if name in old:
-                    view.copy_(old[name])
-                self._momenta[name] = view
+                    self.momentum(name).copy_(old[name])
 
     def accumulate(self, buf, slot: int, g: torch.Tensor, rescale: torch.Tensor | None = None) -> torch.Tensor:
         """``u_t = m · u_{t−1} + g + wd · w`` into the buffer's other flat; returns what joins the
@@ -119,11 +118,7 @@ class MomentumCorrection:
 
     def commit(self, buf) -> None:
         """This step's ``u`` of ``buf`` becomes current (its gradient was finite on this rank)."""
-        cur = 1 - self._current[buf.index]
-        self._current[buf.index] = cur
-        flat = self._flats[buf.index][cur]
-        for slot, name in enumerate(buf.names):
-            self._momenta[name] = flat[buf.segment(slot)]
+        self._current[buf.index] ^= 1
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent."""
@@ -132,17 +127,18 @@ class MomentumCorrection:
 
     def momentum(self, name: str) -> torch.Tensor:
         """The flat ``u`` of parameter ``name`` (a view; read, do not modify)."""
-        return self._momenta[name]
+        index, seg = self._where[name]
+        return self._flats[index][self._current[index]][seg]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: u.clone() for n, u in self._momenta.items()}
+        return {n: self.momentum(n).clone() for n in self._where}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, u in state.items():
-            if name not in self._momenta:
+            if name not in self._where:
                 raise ValueError(f"the checkpoint holds a momentum for {name!r}, which is not a trainable "
                                  "parameter of this optimizer")
-            mine = self._momenta[name]
+            mine = self.momentum(name)
             if u.numel() != mine.numel():
                 raise ValueError(f"the checkpoint's momentum for {name!r} has {u.numel()} elements; the "
                                  f"parameter has {mine.numel()}")

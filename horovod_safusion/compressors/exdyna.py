@@ -80,7 +80,8 @@ class ExDyna(ThresholdCompressor):
 
     def _factor(self, exam: "float | np.ndarray") -> "float | np.ndarray":
         """Algorithm 5's scaling factor for ``exam = k′/k`` (a number, or one per segment)."""
-        return np.where(exam > self.beta, 1 + self.gamma, np.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
+        return np.where(exam > self.beta, 1 + self.gamma,
+                        np.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0

@@ -25,7 +25,7 @@ Use ``dgc`` or ``topk`` where the density must hold.
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import norm
+from scipy.special import ndtri  # Φ⁻¹, a ufunc: microseconds, where norm.ppf takes ~0.2 ms
 
 from .base import register_compressor
 from .segmented import Steps
@@ -47,12 +47,12 @@ class GaussianK(ThresholdCompressor):
         super().__init__(density)
         self.refine_passes = int(refine_passes)
         self.step_up, self.step_down = float(step_up), float(step_down)
-        self._z = float(norm.ppf(1.0 - self.density / 2.0))
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         mu, second = view.means(signed=True), view.means(signed=True, squares=True)
         sigma = np.sqrt(np.maximum(second - mu * mu, 0))
-        return np.abs(mu) + sigma * self._z
+        # from the density of this step (a density warm-up changes it between steps)
+        return np.abs(mu) + sigma * float(ndtri(1.0 - self.density / 2.0))
 
     def correction(self, view: SegmentView, step: int) -> Steps:
         return Steps(low=2 * view.k / 3, high=4 * view.k / 3, up=self.step_up, down=self.step_down,

@@ -147,6 +147,9 @@ def test_gaussiank_threshold_is_the_normal_percent_point():
     c = GaussianK(0.05, refine_passes=0)
     thr = c.thresholds(SegmentView(flat, segs(400_000), 0.05), 0)
     assert float(thr[0]) == pytest.approx(3.0 * 1.959964, rel=0.01)  # Φ⁻¹(0.975) σ
+    c.density = 0.01  # as a density warm-up sets it between steps
+    thr = c.thresholds(SegmentView(flat, segs(400_000), 0.01), 1)
+    assert float(thr[0]) == pytest.approx(3.0 * 2.575829, rel=0.01)  # Φ⁻¹(0.995) σ
 
 
 def test_exdyna_scales_thresholds_by_algorithm_5():
