@@ -45,6 +45,7 @@ import horovod.torch as hvd
 from .communicators import Allreduce, Communicator, Pending
 from .communicators.base import wait
 from .compressors import Compressor
+from .compressors.device import on_host
 from .momentum import LocalClipping, MomentumCorrection
 from .plan import FusionPlan
 from .residual import ResidualStore
@@ -323,10 +324,13 @@ class Controller:
     def _launch(self, buf: FusionBuffer) -> None:
         tl = self.timeline
         t = tl.mark() if tl else None
+        rows = None  # the wire rows, where the selection wrote them itself (the device path)
         if self._dense:
             values, indices = buf.flat, None
             if self.momentum is not None and _finite(buf.flat):  # a non-finite step leaves u as it was
                 self.momentum.commit(buf)
+        elif not on_host(buf.flat):
+            values, indices, rows = self._select_on_device(buf)
         elif not _finite(buf.flat):
             values, indices = self._poisoned(buf)  # residuals (and momenta) stay as they were
         else:
@@ -342,9 +346,29 @@ class Controller:
         comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
         residual = buf.flat if indices is not None and not buf.poisoned else None
         extra = {"residual": residual} if comm.wants_residual else {}
+        if comm.takes_rows:
+            extra["rows"] = rows
         buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)
         if tl:
             tl.submitted(buf.index, t)
+
+    def _select_on_device(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device path (GPU buffers, half precision): the compressor decides on the device,
+        and the buffer is read back once — its selected count, which sizes the collective,
+        together with whether it is finite. Then the momentum and the compressor's state commit,
+        and the selection is taken (straight into the wire rows where the kernels write them)."""
+        proposal = self.compressor.propose(buf.flat, buf.selection, self.steps)
+        total, finite = proposal.read()  # the one host synchronisation of this buffer
+        if not finite:
+            return (*self._poisoned(buf), None)  # residuals, momenta and thresholds stay as they were
+        if self.momentum is not None:
+            self.momentum.commit(buf)
+        proposal.commit()
+        values, indices, rows = proposal.take(total)
+        if self._wire_rounds:
+            values, rows = self._round_for_wire(buf, values, indices), None
+        self._keep_rest(buf, indices)
+        return values, indices, rows
 
     def _keep_rest(self, buf: FusionBuffer, indices: torch.Tensor | None) -> None:
         """What the selection left in the buffer becomes the new residual (none when everything
@@ -397,6 +421,7 @@ class Controller:
                 self._launch(buf)
         hit = None if self._dense else self._poisoned_anywhere()  # a handle, resolved at first use
         stats = StepStats(buffers=len(self.buffers))
+        missing: list[torch.Tensor] = []  # per buffer, tensors that sent nothing (device tensors)
         for buf in self.buffers:
             t = tl.mark() if tl else None
             buf.pending.collect()  # waiting: communication
@@ -429,10 +454,10 @@ class Controller:
             elif buf.indices is None:
                 stats.selected += buf.numel
             else:
-                counts = buf.tensors.counts(buf.indices)
-                stats.selected += int(counts.sum())
-                stats.missing += int((counts == 0).sum())
+                stats.selected += buf.indices.numel()
+                missing.append((buf.tensors.counts(buf.indices) == 0).sum())
             buf.reset()
+        stats.missing = int(torch.stack(missing).sum()) if missing else 0  # one read per step
         self.steps += 1
         self._residual_scale = self._step_scale
         self._step_open = False

@@ -63,19 +63,17 @@ class Segments:
     def k_array(self, density: float) -> np.ndarray:
         """:meth:`k` as an int64 NumPy array (read, do not modify)."""
         cache = self.__dict__.setdefault("_k_array", {})
-        if density not in cache:
-            cache[density] = self.k(density).numpy()
+        if density not in cache:  # np.round, as torch.round, rounds half to even
+            cache[density] = np.maximum(np.round(self.size_array * density), 1).astype(np.int64)
         return cache[density]
 
     def k(self, density: float) -> torch.Tensor:
         """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
-        cache = self.__dict__.setdefault("_k", {})
-        if density not in cache:
-            sizes = torch.tensor(self.sizes, dtype=torch.float64)
-            cache[density] = torch.clamp(torch.round(sizes * density), min=1).to(torch.int64)
-        return cache[density]
+        return torch.from_numpy(self.k_array(density))
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:
         """Selected elements per segment for buffer-relative ``indices`` (cost ∝ selected, not numel)."""
         owner = torch.searchsorted(self.starts, indices, right=True) - 1
-        return torch.bincount(owner, minlength=len(self.sizes))
+        # not bincount: its output size depends on the largest index, read back on a GPU
+        return torch.zeros(len(self.sizes), dtype=torch.int64, device=indices.device).scatter_add_(
+            0, owner, torch.ones_like(owner))

@@ -103,6 +103,9 @@ class Communicator(Stateful, ABC):
     #: ``start()`` also receives ``residual=``: the buffer's unselected rest (this rank's new
     #: residual, ``None`` when everything was selected), read-only, valid until ``wait()`` returns.
     wants_residual: ClassVar[bool] = False
+    #: ``start()`` also receives ``rows=``: the selection already packed as wire rows
+    #: (:mod:`horovod_safusion.wire`) by the device path's kernels, or ``None``.
+    takes_rows: ClassVar[bool] = False
 
     def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set

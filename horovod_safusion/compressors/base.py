@@ -56,6 +56,13 @@ class Compressor(Stateful, ABC):
         Indices must be unique; within a segment their order is free.
         """
 
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int) -> "Proposal":
+        """The device path's selection (:mod:`~horovod_safusion.compressors.device`): decided on
+        ``flat``'s device, taken after one host read. The default wraps :meth:`select`, which must
+        then read nothing back from the device (top-k and random-k do not)."""
+        from .device import Proposal
+        return Proposal.of_indices(flat, self.select(flat, segments, step))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self.density})"
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .base import register_compressor
+from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
 
 
@@ -66,3 +67,18 @@ class DGC(PeriodicThreshold):
             idx = np.repeat(view.offsets[which[sampled]], m) + (u * np.repeat(n[sampled], m)).astype(np.int64)
             out[sampled] = view.kth_largest_at(idx, m, np.ceil(self.density * m).astype(np.int64))
         return out
+
+    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
+        """The base-effort estimate of every segment on its device: the sample positions are drawn
+        on the host (the same generator), the quantiles taken on the device."""
+        n = view.segments.size_array
+        m = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64), self.min_samples))
+        exact = m >= n
+        ks = np.where(exact, view.k_host, np.ceil(self.density * m).astype(np.int64))
+        offsets = np.repeat(view.segments.offset_array, m)
+        within = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+        sampled = np.repeat(~exact, m)
+        u = torch.rand(int(sampled.sum()), generator=self._gen, dtype=torch.float64).numpy()
+        within[sampled] = (u * np.repeat(n, m)[sampled]).astype(np.int64)
+        kth = view.kth_largest(ks, offsets + within, m)
+        return torch.where(view.k == 1, view.max, kth)

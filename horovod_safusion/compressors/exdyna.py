@@ -32,8 +32,10 @@ its own count: ExDyna's k′ is the number selected by *all* workers in their ex
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .base import register_compressor
+from .device import DeviceView, Proposal
 from .state import PerSegment
 from .threshold import SegmentView, ThresholdCompressor
 
@@ -99,3 +101,29 @@ class ExDyna(ThresholdCompressor):
             return
         exam = counts[live] / np.maximum(1.0, view.k[live])  # k'/k per segment (Alg. 5 per threshold)
         self._threshold.of(view.segments.names)[live] *= self._factor(exam)
+
+    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
+        """δ on the device; a layout with segments never seen starts them from their exact k-th
+        largest. Paired with the ``exdyna`` communicator, :attr:`last_selection` names every
+        segment (which ones are all-zero is known only on the device)."""
+        names = view.segments.names
+        delta = self._threshold.on(names, view.flat.device)
+        unit = view.unit if self.relative else torch.ones_like(view.unit)
+        if self._threshold.unseen(names):
+            seen = torch.tensor([not self._threshold.unseen((n,)) for n in names], device=delta.device)
+            delta = torch.where(seen, delta, view.kth_largest(view.k_host) / unit)
+        thr = delta * unit
+
+        def commit(counts: torch.Tensor) -> None:
+            if self._global:
+                self.last_selection = (names, int(view.k_host.sum()))
+                scaled = delta
+            else:
+                exam = counts / torch.clamp(view.k, min=1.0)
+                factor = torch.where(exam > self.beta, 1 + self.gamma,
+                                     torch.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
+                scaled = torch.where(view.live, delta * factor, delta)
+            self._threshold.on(names, delta.device).copy_(scaled)
+            self._threshold.mark(names)
+
+        return view.propose(thr, commit)

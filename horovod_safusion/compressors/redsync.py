@@ -8,8 +8,10 @@ point, so steps after the first usually need few passes.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .base import register_compressor
+from .device import DeviceView, Proposal
 from .state import PerSegment
 from .threshold import SegmentView, ThresholdCompressor
 
@@ -47,3 +49,23 @@ class RedSync(ThresholdCompressor):
             r[off] = (lo[off] + hi[off]) / 2
             view.apply(self._mean + r * (view.max - self._mean), off)
             counts = view.counts()
+
+    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
+        """All ``iterations`` bisection passes (a device cannot stop early without reading the
+        counts back), every segment at once; the ratio found is kept once the buffer is finite."""
+        names = view.segments.names
+        state = self._ratio.on(names, view.flat.device)
+        mean, span = view.mean, view.max - view.mean
+        r, lo, hi = state.clone(), torch.zeros_like(state), torch.ones_like(state)
+        for _ in range(self.iterations):
+            counts = view.counts(mean + r * span)
+            off = view.live & ((counts < view.k) | (counts > 2 * view.k))
+            many = counts > 2 * view.k
+            lo, hi = torch.where(off & many, r, lo), torch.where(off & ~many, r, hi)
+            r = torch.where(off, (lo + hi) / 2, r)
+
+        def commit(counts: torch.Tensor) -> None:
+            state.copy_(r)
+            self._ratio.mark(names)
+
+        return view.propose(mean + r * span, commit)

@@ -9,9 +9,9 @@ long as the buffer). The loops here, compiled by Numba, visit every segment in o
 segment costs nanoseconds, an element one comparison, and the selected indices come out
 ascending with their count per segment, with no mask and no ``nonzero``.
 
-:class:`NumbaKernels` (CPU, float32 and float64) and :class:`TorchKernels` (any device or dtype:
-the fallback, one PyTorch call per segment) do the same operations on ``a = |x|``, taking the
-per-segment arguments as NumPy arrays:
+:class:`NumbaKernels` (CPU, float32 and float64) does these operations on ``a = |x|``, taking the
+per-segment arguments as NumPy arrays (other devices and dtypes take the device path,
+:mod:`~horovod_safusion.compressors.device`, which reads nothing back to the host):
 
 * :meth:`select` — every segment against its threshold;
 * :meth:`select_within` — the same, with counts outside a :class:`Band` corrected while the
@@ -26,8 +26,6 @@ per-segment arguments as NumPy arrays:
   DGC's samples, the hierarchical step among a segment's candidates);
 * :meth:`exceedance_moments` — count, mean and variance of ``a − η`` over ``a > η`` per segment
   (SIDCo's multi-stage fits).
-
-A test checks that both kinds select the same elements.
 """
 from __future__ import annotations
 
@@ -386,124 +384,6 @@ class NumbaKernels:
         if not len(idx):  # torch.from_numpy gives an empty array stride 0, which breaks byte views
             return torch.empty(0, dtype=torch.int64)
         return torch.from_numpy(idx.astype(np.int64, copy=True))
-
-
-class TorchKernels:
-    """The same operations in PyTorch, a call per segment: for GPUs and half precision."""
-
-    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, device: torch.device) -> None:
-        self.offsets, self.sizes, self.device = offsets, sizes, device
-        self._lengths = torch.as_tensor(sizes, device=device)
-        self._bounds = torch.as_tensor(np.append(offsets, offsets[-1] + sizes[-1]), device=device)
-
-    @staticmethod
-    def wrap(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def segment_max(self, a: torch.Tensor) -> np.ndarray:
-        return torch.segment_reduce(a, "max", lengths=self._lengths).double().cpu().numpy()
-
-    def segment_sum(self, a: torch.Tensor) -> np.ndarray:
-        wide = a if a.dtype in (torch.float32, torch.float64) else a.float()  # half precision overflows
-        return torch.segment_reduce(wide, "sum", lengths=self._lengths).double().cpu().numpy()
-
-    def _compare(self, a: torch.Tensor, s: int, t: float) -> torch.Tensor:
-        o = int(self.offsets[s])
-        seg = a[o:o + int(self.sizes[s])]
-        # never an exact zero (a Python float is cast to a's dtype, so half precision needs the > 0)
-        return torch.nonzero((seg >= t) & (seg > 0) if t <= 0 else seg >= t).squeeze(1) + o
-
-    def select(self, a: torch.Tensor, thr: np.ndarray, out=None) -> tuple[torch.Tensor, np.ndarray]:
-        return self._joined([self._compare(a, s, t) for s, t in enumerate(thr.tolist()) if t < np.inf])
-
-    def select_within(self, a: torch.Tensor, thr: np.ndarray, band: Band,
-                      out=None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        parts, chosen = [], thr.copy()
-        for s, t in enumerate(thr.tolist()):
-            if not t < np.inf:
-                continue
-            idx = self._compare(a, s, t)
-            lowered, tries, k = False, 0, int(band.k[s])
-            while band.lower[s] and len(idx) < band.low[s] and tries < 3 and t > 0:
-                t = self._rounded(a, max(t - band.scale[s] * np.log(k / max(len(idx), 1)), 0.0))
-                idx = self._compare(a, s, t)
-                lowered, tries = True, tries + 1
-            if len(idx) > band.high[s] or (lowered and len(idx) > k):
-                vals = a[idx]
-                t = float(torch.topk(vals, k, sorted=False).values.min())
-                idx = idx[(vals >= t) & (vals > 0)]
-            chosen[s] = t
-            parts.append(idx)
-        return (*self._joined(parts), chosen)
-
-    def select_stepped(self, a: torch.Tensor, start: np.ndarray, steps: Steps, top: np.ndarray,
-                       out=None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        parts, chosen = [], top.copy()
-        for s, u in enumerate(start.tolist()):
-            chosen[s] = min(u, float(top[s])) if u < np.inf else u
-            if not u < np.inf:
-                continue
-            t = float(chosen[s])
-            idx = self._compare(a, s, t)
-            for _ in range(steps.passes):
-                c = len(idx)
-                if steps.low[s] <= c <= steps.high[s]:
-                    break
-                u *= steps.up if c > steps.high[s] else steps.down
-                new = self._rounded(a, min(u, float(top[s])))
-                idx = idx[a[idx] >= new] if new >= t else self._compare(a, s, new)
-                t = new
-            chosen[s] = t
-            parts.append(idx)
-        return (*self._joined(parts), chosen)
-
-    def reselect(self, a, idx, counts, mode, thr, out=None) -> tuple[torch.Tensor, np.ndarray]:
-        parts, pos = [], 0
-        for s, (c, m, t) in enumerate(zip(counts.tolist(), mode.tolist(), thr.tolist())):
-            run = idx[pos:pos + c]
-            parts.append(run if m == 0 else run[a[run] >= t] if m == 1 else
-                         self._compare(a, s, t) if t < np.inf else run[:0])
-            pos += c
-        return self._joined(parts)
-
-    def _counts(self, idx: torch.Tensor) -> np.ndarray:
-        return torch.searchsorted(idx, self._bounds).diff().cpu().numpy()
-
-    def _joined(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
-        """The segments' selections as one index tensor, and the count per segment."""
-        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
-        return idx, self._counts(idx)
-
-    @staticmethod
-    def _rounded(a: torch.Tensor, v: float) -> float:
-        """``v`` rounded to ``a``'s dtype, as the compiled kernels store a threshold."""
-        return torch.tensor(v, dtype=a.dtype).item()
-
-    @staticmethod
-    def kth_largest(a: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, ks: np.ndarray,
-                    idx: torch.Tensor | np.ndarray | None = None) -> np.ndarray:
-        out = []
-        for o, n, k in zip(starts.tolist(), lengths.tolist(), ks.tolist()):
-            run = a[o:o + n] if idx is None else a[torch.as_tensor(idx[o:o + n], device=a.device)]
-            out.append(float(torch.topk(run, min(max(k, 1), n), sorted=False).values.min()) if n else 0.0)
-        return np.asarray(out, dtype=np.float64)
-
-    def exceedance_moments(self, a, segs, eta, inclusive):
-        count, mean, var = [], [], []
-        for s, e in zip(segs.tolist(), eta.tolist()):
-            o = int(self.offsets[s])
-            x = a[o:o + int(self.sizes[s])].double() - e
-            x = x[(x >= 0) if inclusive else (x > 0)]
-            c = x.numel()
-            m = float(x.sum()) / c if c else 0.0
-            count.append(c)
-            mean.append(m)
-            var.append(max(float(torch.dot(x, x)) / c - m * m, 0.0) if c else 0.0)
-        return np.asarray(count, dtype=np.int64), np.asarray(mean), np.asarray(var)
-
-    @staticmethod
-    def to_indices(idx: torch.Tensor) -> torch.Tensor:
-        return idx.to(torch.int64)
 
 
 def warm_up() -> None:

@@ -20,9 +20,12 @@ and at once when they drift (:class:`~horovod_safusion.compressors.threshold.Per
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy.stats import gamma as gamma_dist
 
+from ..kernels import reference
 from .base import register_compressor
+from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
@@ -46,6 +49,38 @@ def quantile(m: np.ndarray, v: np.ndarray, p: np.ndarray, family: str) -> np.nda
             q = np.where(small, -sigma * np.log(pf), sigma / safe * (pf ** -safe - 1.0))
         out[fit] = q
     return np.where(m > 0, out, 0.0)
+
+
+def _gamma_isf(p: torch.Tensor, shape: torch.Tensor, scale: torch.Tensor, newton: int = 8) -> torch.Tensor:
+    """The gamma distribution's inverse survival function on the device (SciPy's ``isf`` has no
+    PyTorch twin): Wilson–Hilferty's start, then Newton steps on ``Q(shape, x) = p``."""
+    z = torch.special.ndtri(1.0 - p)
+    c = 1.0 / (9.0 * shape)
+    x = shape * torch.clamp(1.0 - c + z * torch.sqrt(c), min=1e-3) ** 3
+    tiny = float(np.finfo(np.float64).tiny)
+    for _ in range(newton):
+        x = torch.clamp(x, min=tiny)
+        pdf = torch.exp((shape - 1.0) * torch.log(x) - x - torch.lgamma(shape))
+        x = x + (torch.special.gammaincc(shape, x) - p) / torch.clamp(pdf, min=tiny)
+    return torch.clamp(x, min=0.0) * scale
+
+
+def quantile_on_device(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, family: str) -> torch.Tensor:
+    """:func:`quantile` on device tensors."""
+    out = -m * torch.log(p)
+    safe_m, safe_v = torch.where(m > 0, m, 1.0), torch.where(v > 0, v, 1.0)
+    if family == "gamma":
+        q = _gamma_isf(p, safe_m * safe_m / safe_v, safe_v / safe_m)
+    elif family == "gpareto":
+        xi = 0.5 * (1.0 - safe_m * safe_m / safe_v)
+        sigma = 0.5 * safe_m * (1.0 + safe_m * safe_m / safe_v)
+        small = torch.abs(xi) < 1e-6
+        safe_xi = torch.where(small, 1.0, xi)
+        q = torch.where(small, -sigma * torch.log(p), sigma / safe_xi * (p ** -safe_xi - 1.0))
+    else:
+        q = out
+    out = torch.where((m > 0) & (v > 0), q, out)
+    return torch.where(m > 0, out, 0.0)
 
 
 @register_compressor("sidco")
@@ -102,4 +137,23 @@ class SIDCo(PeriodicThreshold):
             # the next stage fits the exceedances over eta; a segment with fewer than two stops
             count, m[going], v[going] = view.exceedance_moments(which[going], eta[going])
             going = going[count >= 2]
+        return eta
+
+    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
+        """All ``stages`` of every segment on its device (a segment with fewer than two exceedances
+        stops early, as on the host); corrections are the device path's passes."""
+        a = view.flat.abs()
+        eta = torch.zeros_like(view.max)
+        p = torch.full_like(eta, self.density ** (1.0 / self.stages))
+        going = torch.ones_like(eta, dtype=torch.bool)
+        count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=True)
+        for stage in range(self.stages):
+            n = torch.clamp(count, min=1.0)
+            m = s1 / n
+            v = torch.clamp(s2 / n - m * m, min=0.0)
+            eta = torch.where(going, eta + quantile_on_device(m, v, p, self._family(stage)), eta)
+            if stage + 1 == self.stages:
+                break
+            count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=False)
+            going = going & (count >= 2)
         return eta

@@ -30,7 +30,8 @@ import torch
 
 from ..segment import Segments
 from .base import Compressor
-from .segmented import Band, NumbaKernels, Steps, TorchKernels
+from .device import DeviceView, Proposal, on_host
+from .segmented import Band, NumbaKernels, Steps
 from .state import PerSegment
 
 # A raised threshold filters the segment's current selection (a gather per selected element)
@@ -78,7 +79,8 @@ def _rounded(thr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 class SegmentView:
-    """``|x|`` of one flat buffer with its per-segment maxima, target counts and current selection.
+    """``|x|`` of one CPU buffer with its per-segment maxima, target counts and current selection
+    (the device path's twin: :class:`~horovod_safusion.compressors.device.DeviceView`).
 
     :meth:`apply` selects ``|x| >= threshold`` — in all segments, or again in some — and keeps the
     count per segment; :meth:`indices` returns the final selection. Per-segment quantities
@@ -91,9 +93,7 @@ class SegmentView:
         self.segments = segments
         self.flat = flat
         self.offsets, self.sizes = segments.offset_array, segments.size_array
-        compiled = flat.device.type == "cpu" and flat.dtype in NumbaKernels.DTYPES
-        self._kernels = NumbaKernels(self.offsets, self.sizes) if compiled else \
-            TorchKernels(self.offsets, self.sizes, flat.device)
+        self._kernels = NumbaKernels(self.offsets, self.sizes)
         self._workspace = workspace or Workspace()
         self.abs = torch.abs(flat, out=self._workspace.magnitudes(flat))
         self._abs = self._kernels.wrap(self.abs)
@@ -197,11 +197,25 @@ class ThresholdCompressor(Compressor):
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
             return None
+        if not on_host(flat):
+            proposal = self.propose(flat, segments, step)
+            total, finite = proposal.read()
+            if finite:
+                proposal.commit()
+            return proposal.take(total, zero=False)[1]
         view = SegmentView(flat, segments, self.density, self._workspace)
         thr = self.thresholds(view, step)
         view.apply(thr, correction=self.correction(view, step))
         self.refine(view, thr, view.counts(), step)
         return view.indices()
+
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int) -> Proposal:
+        return self.propose_on_device(DeviceView(flat, segments, self.density), step)
+
+    @abstractmethod
+    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
+        """The device path: thresholds, corrections and the state update as device tensors
+        (:meth:`DeviceView.propose`)."""
 
     @abstractmethod
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
@@ -274,6 +288,29 @@ class PeriodicThreshold(ThresholdCompressor):
         """Thresholds on ``|x|`` of the segments ``which`` that select about ``ks`` elements each;
         ``effort`` (0 to :attr:`max_effort`, per segment) counts the earlier estimates of a segment
         that selected far too few. Called only for segments with ``k > 1``."""
+
+    @abstractmethod
+    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
+        """The device path's :meth:`estimate`: thresholds of every segment (float64 tensor)."""
+
+    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
+        """Thresholds estimated for every segment every ``interval`` steps (and for segments never
+        seen), reused in mean-|x| units in between; then ``refine_passes`` compare-and-count passes
+        move each threshold whose count left the band (:meth:`DeviceView.corrected`)."""
+        names = view.segments.names
+        state = self._threshold.on(names, view.flat.device)
+        if step % self.interval == 0 or self._threshold.unseen(names):
+            thr = self.estimate_on_device(view)
+        else:
+            thr = state * view.unit
+        low, high = (torch.from_numpy(b).to(view.flat.device) for b in self._band(view.k_host))
+        thr = view.corrected(thr, low, high, self.refine_passes)
+
+        def commit(counts: torch.Tensor) -> None:
+            state.copy_(thr / view.unit)
+            self._threshold.mark(names)
+
+        return view.propose(thr, commit)
 
     def _estimate(self, view: SegmentView, which: np.ndarray, step: int) -> None:
         names = view.segments.names

@@ -1,0 +1,76 @@
+"""The PyTorch path of the GPU kernels: the reference the Triton kernels are tested against, and
+the fallback where Triton is not installed. No operation here reads a value back to the host:
+per-segment results come from prefix sums and gathers at host-known positions, and the
+compaction is ``nonzero_static`` with the size the caller read once (SAFusion §3.1 Steps 1–3).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import wire
+from .blocks import BlockTable
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _per_segment(x: torch.Tensor, table: BlockTable) -> torch.Tensor:
+    """Per segment, the sum of ``x`` (exact for integer ``x``): a prefix sum read at the segments'
+    bounds."""
+    c = torch.cumsum(x, 0)
+    c = torch.cat([c.new_zeros(1), c])
+    return c[table.bounds[1:]] - c[table.bounds[:-1]]
+
+
+def segment_stats(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per segment ``max |x|`` and ``Σ |x|`` over the finite elements (float64), and whether every
+    element of the buffer is finite (0-dim bool)."""
+    a = flat.abs().to(_acc(flat.dtype))
+    ok = torch.isfinite(a)
+    a = torch.where(ok, a, 0.0)
+    segments = table.bounds.numel() - 1
+    mx = torch.zeros(segments, dtype=a.dtype, device=a.device).scatter_reduce_(0, table.seg_ids, a, "amax")
+    return mx.double(), _per_segment(a.double(), table), ok.all()
+
+
+def moments(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment ``Σ x`` and ``Σ x²`` (float64)."""
+    x = flat.double()
+    return _per_segment(x, table), _per_segment(x * x, table)
+
+
+def exceedances(a: torch.Tensor, eta: torch.Tensor, table: BlockTable, inclusive: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per segment: count, sum and sum of squares of ``a − eta`` over ``a > eta`` (``>=``), float64."""
+    y = a.double() - eta[table.seg_ids]
+    w = (y >= 0) if inclusive else (y > 0)
+    y = torch.where(w, y, 0.0)
+    return _per_segment(w.double(), table), _per_segment(y, table), _per_segment(y * y, table)
+
+
+class Selection:
+    """``|x| >= thresholds[segment]`` (and not an exact zero) over one buffer: counts now, the
+    selected elements once the caller knows how many there are."""
+
+    def __init__(self, flat: torch.Tensor, thresholds: torch.Tensor, table: BlockTable) -> None:
+        self.flat, self.table = flat, table
+        a = flat.abs()
+        self.mask = (a >= thresholds[table.seg_ids]) & (a > 0)
+        self.counts = _per_segment(self.mask.to(torch.int64), table)
+        self.total = self.counts.sum()
+
+    def take(self, total: int, zero: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(values, int64 indices, wire rows)`` of the ``total`` selected elements, ascending;
+        with ``zero`` they are cleared in the buffer, which then holds the residual."""
+        idx = torch.nonzero_static(self.mask, size=total).squeeze(1)
+        values = self.flat[idx]
+        if zero:
+            self.flat.index_fill_(0, idx, 0)
+        return values, idx, wire.pack(values, idx)
+
+
+def decode_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Add every wire row's value into ``out`` at its index (``index_add_``: equal indices add up)."""
+    values, indices = wire.unpack(rows, out.dtype)
+    out.index_add_(0, indices, values)

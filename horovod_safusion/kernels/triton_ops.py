@@ -1,0 +1,168 @@
+"""Triton kernels of the GPU path: segment statistics, threshold selection into the wire, decode.
+
+SAFusion §4 runs selection on the GPU beside NCCL; §3.1 Step-1 selects ``|G_l| ≥ τ_l`` per tensor
+and Steps 2–3 gather (value, index) pairs and add them up. Each kernel here does in one or two
+passes what the PyTorch path (:mod:`~horovod_safusion.kernels.reference`, the reference and
+fallback) does in several, and none reads anything back to the host:
+
+* :func:`segment_stats` — per block of a segment, ``max |x|`` and ``Σ |x|`` (float32 or wider
+  accumulation), and a count of non-finite elements; optionally fused with error feedback,
+  ``x = g + scale · r`` written on the way (the residual add of the gradient hook);
+* :func:`count_selected` / :func:`write_selected` — the threshold compare in two passes: counts per
+  block, then (after the one host read that sizes the wire) every selected element's value and raw
+  index bits written straight into its wire row, ascending, and zeroed in the buffer (which then
+  holds the residual);
+* :func:`decode_rows` — every rank's rows added into the dense output with atomic adds (equal
+  indices add up, as ``index_add_`` does).
+
+A wire row is ``[value bytes | int32 index bytes]`` (:mod:`horovod_safusion.wire`): 6, 8 or 12
+bytes, so rows are read and written as 16-bit words, which are aligned in every row. Importing this
+module imports Triton; the package imports it only for CUDA tensors or when
+``HOROVOD_SAFUSION_KERNELS=triton`` asks for it (the tests, with ``TRITON_INTERPRET=1`` on CPU).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .blocks import BlockTable
+
+_WORD_INT = {1: tl.int16, 2: tl.int32, 4: tl.int64}  # value words → the integer of the value's width
+
+
+@triton.jit
+def _stats_kernel(x_ptr, g_ptr, r_ptr, scale_ptr, seg_ptr, start_ptr, stop_ptr, max_ptr, sum_ptr, bad_ptr,
+                  ACC: tl.constexpr, FUSED: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    start, stop = tl.load(start_ptr + pid), tl.load(stop_ptr + pid)
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < stop
+    if FUSED:
+        g = tl.load(g_ptr + offs, mask=m, other=0.0)
+        r = tl.load(r_ptr + offs, mask=m, other=0.0)
+        if SCALED:
+            r = r * tl.load(scale_ptr)
+        x = g + r
+        tl.store(x_ptr + offs, x, mask=m)
+    else:
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    a = tl.abs(x.to(ACC))
+    bad = (a != a) | (a == float("inf"))
+    a = tl.where(m & ~bad, a, 0.0)
+    tl.store(max_ptr + pid, tl.max(a, axis=0))
+    tl.store(sum_ptr + pid, tl.sum(a, axis=0))
+    tl.store(bad_ptr + pid, tl.sum((bad & m).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _selected(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, pid, BLOCK: tl.constexpr):
+    start, stop = tl.load(start_ptr + pid), tl.load(stop_ptr + pid)
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < stop
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    a = tl.abs(x)
+    t = tl.load(thr_ptr + tl.load(seg_ptr + pid))
+    return x, offs, m & (a >= t) & (a > 0)  # an exact zero is never selected
+
+
+@triton.jit
+def _count_kernel(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, count_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    _, _, sel = _selected(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, pid, BLOCK)
+    tl.store(count_ptr + pid, tl.sum(sel.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _write_kernel(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, first_ptr, words_ptr,
+                  VALUE_WORDS: tl.constexpr, WORD_INT: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    x, offs, sel = _selected(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, pid, BLOCK)
+    s = sel.to(tl.int32)
+    row = tl.load(first_ptr + pid) + tl.cumsum(s, axis=0) - s  # ascending: rows in element order
+    base = row.to(tl.int64) * (VALUE_WORDS + 2)
+    bits = x.to(WORD_INT, bitcast=True).to(tl.int64)
+    for w in tl.static_range(VALUE_WORDS):
+        tl.store(words_ptr + base + w, ((bits >> (16 * w)) & 0xFFFF).to(tl.int16), mask=sel)
+    index = offs.to(tl.int64)
+    tl.store(words_ptr + base + VALUE_WORDS, (index & 0xFFFF).to(tl.int16), mask=sel)
+    tl.store(words_ptr + base + VALUE_WORDS + 1, ((index >> 16) & 0xFFFF).to(tl.int16), mask=sel)
+    tl.store(x_ptr + offs, tl.zeros_like(x), mask=sel)  # sent: what stays is the residual
+
+
+@triton.jit
+def _decode_kernel(words_ptr, out_ptr, rows, VALUE_WORDS: tl.constexpr, WORD_INT: tl.constexpr,
+                   OUT_TYPE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid * BLOCK + tl.arange(0, BLOCK)
+    m = r < rows
+    base = r.to(tl.int64) * (VALUE_WORDS + 2)
+    bits = tl.zeros([BLOCK], dtype=tl.int64)
+    for w in tl.static_range(VALUE_WORDS):
+        word = tl.load(words_ptr + base + w, mask=m, other=0).to(tl.int64) & 0xFFFF
+        bits = bits | (word << (16 * w))
+    value = bits.to(WORD_INT).to(OUT_TYPE, bitcast=True).to(out_ptr.dtype.element_ty)
+    lo = tl.load(words_ptr + base + VALUE_WORDS, mask=m, other=0).to(tl.int64) & 0xFFFF
+    hi = tl.load(words_ptr + base + VALUE_WORDS + 1, mask=m, other=0).to(tl.int64) & 0xFFFF
+    index = (lo | (hi << 16)).to(tl.int32).to(tl.int64)  # the int32's bits, sign included
+    tl.atomic_add(out_ptr + index, value, mask=m)
+
+
+def _value_words(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() // 2
+
+
+def segment_stats(flat: torch.Tensor, table: BlockTable, grad: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: ``max |x|``, ``Σ |x|`` (float32, float64 for float64 buffers) over its finite
+    elements, and how many are not finite. With ``grad`` and ``residual`` (flat, like ``flat``),
+    ``flat = grad + scale · residual`` is written on the way."""
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    mx = torch.empty(table.blocks, dtype=acc, device=flat.device)
+    sm = torch.empty_like(mx)
+    bad = torch.empty(table.blocks, dtype=torch.int32, device=flat.device)
+    fused = grad is not None
+    _stats_kernel[(table.blocks,)](flat, grad if fused else flat, residual if fused else flat,
+                                   scale if scale is not None else mx, table.segment, table.start, table.stop,
+                                   mx, sm, bad, ACC=_OUT_TYPE[acc], FUSED=fused, SCALED=scale is not None, BLOCK=table.block)
+    return mx, sm, bad
+
+
+def count_selected(flat: torch.Tensor, thresholds: torch.Tensor, table: BlockTable) -> torch.Tensor:
+    """Per block, how many elements satisfy ``|x| >= threshold`` of its segment (and are not 0);
+    ``thresholds`` in ``flat``'s dtype."""
+    counts = torch.empty(table.blocks, dtype=torch.int32, device=flat.device)
+    _count_kernel[(table.blocks,)](flat, thresholds, table.segment, table.start, table.stop, counts,
+                                   BLOCK=table.block)
+    return counts
+
+
+def write_selected(flat: torch.Tensor, thresholds: torch.Tensor, table: BlockTable, block_counts: torch.Tensor,
+                   rows: torch.Tensor) -> None:
+    """Write the selected elements into ``rows`` (the wire, ``(total, row_bytes)`` uint8, sized
+    from ``block_counts``' sum) in ascending order, and zero them in ``flat``."""
+    first = torch.cumsum(block_counts, 0, dtype=torch.int64) - block_counts
+    vw = _value_words(flat.dtype)
+    _write_kernel[(table.blocks,)](flat, thresholds, table.segment, table.start, table.stop, first,
+                                   rows.view(torch.int16), VALUE_WORDS=vw, WORD_INT=_WORD_INT[vw],
+                                   BLOCK=table.block)
+
+
+_OUT_TYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+             torch.float64: tl.float64}
+
+
+def decode_rows(rows: torch.Tensor, out: torch.Tensor, block: int = 1024) -> None:
+    """Add every row's value into ``out`` at its index (``out``'s dtype is the values'). Half
+    precision adds up in float32 and is rounded once at the end (atomic adds of bfloat16 are
+    not available on every GPU)."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    vw = _value_words(out.dtype)
+    acc = out if out.element_size() >= 4 else torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
+    _decode_kernel[(triton.cdiv(n, block),)](rows.view(torch.int16), acc, n, VALUE_WORDS=vw, WORD_INT=_WORD_INT[vw],
+                                            OUT_TYPE=_OUT_TYPE[out.dtype], BLOCK=block)
+    if acc is not out:
+        out.add_(acc.to(out.dtype))
