@@ -12,7 +12,8 @@ setup(
     install_requires=["torch", "horovod==0.28.1", "numpy", "scipy", "numba", "tqdm"],
     extras_require={
         "bench": ["matplotlib", "scikit-learn"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "mpi4py"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "mpi4py", "triton==3.6.0"],
+        "gpu": ["triton"],
     },
     entry_points={"console_scripts": ["horovod-safusion=horovod_safusion.__main__:main"]},
 )

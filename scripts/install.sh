@@ -18,6 +18,7 @@ PYTHON=${PYTHON:-python3}
 HVD_VERSION=0.28.1
 HVD_PATCHES=gil1
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TRITON_VERSION=${TRITON_VERSION:-3.6.0}  # the last version checked under TRITON_INTERPRET=1 (tests)
 CACHE=${HOROVOD_SAFUSION_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-safusion}
 
 log() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
@@ -54,6 +55,9 @@ fi
 log "pip install the scientific stack"
 "${PIP[@]}" numpy scipy numba matplotlib tqdm pytest pytest-timeout hypothesis scikit-learn \
   cloudpickle psutil pyyaml packaging cffi mpi4py wheel setuptools
+# Triton is optional at run time (GPU kernels); the tests run its kernels on CPU tensors through
+# its interpreter, so they need it installed
+"${PIP[@]}" "triton==$TRITON_VERSION"
 
 # ---- 3. Horovod (cached wheel) --------------------------------------------------------
 have_hvd() {

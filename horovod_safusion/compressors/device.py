@@ -145,7 +145,7 @@ class DeviceView:
             thr = torch.where(off, torch.where(inside, step, bisect), thr)
         return thr
 
-    def kth_largest(self, ks: np.ndarray, positions: "np.ndarray | None" = None,
+    def kth_largest(self, ks: np.ndarray, positions: "torch.Tensor | None" = None,
                     lengths: "np.ndarray | None" = None) -> torch.Tensor:
         """Per segment, the ``ks[s]``-th largest ``|x|`` (float64): of the whole segment, or of
         the elements at ``positions`` (buffer indices, in consecutive runs of ``lengths[s]``,
@@ -155,7 +155,7 @@ class DeviceView:
             values = self.flat
         else:
             starts = np.cumsum(lengths) - lengths
-            values = self.flat[torch.from_numpy(positions).to(self.flat.device)]
+            values = self.flat[positions.to(self.flat.device)]
         out = []
         for o, n, k in zip(starts.tolist(), lengths.tolist(), ks.tolist()):
             run = values[o:o + n].abs()

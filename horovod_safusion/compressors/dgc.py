@@ -75,10 +75,12 @@ class DGC(PeriodicThreshold):
         m = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64), self.min_samples))
         exact = m >= n
         ks = np.where(exact, view.k_host, np.ceil(self.density * m).astype(np.int64))
-        offsets = np.repeat(view.segments.offset_array, m)
-        within = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
-        sampled = np.repeat(~exact, m)
-        u = torch.rand(int(sampled.sum()), generator=self._gen, dtype=torch.float64).numpy()
-        within[sampled] = (u * np.repeat(n, m)[sampled]).astype(np.int64)
-        kth = view.kth_largest(ks, offsets + within, m)
+        positions = np.repeat(view.segments.offset_array, m) + np.arange(int(m.sum()), dtype=np.int64) \
+            - np.repeat(np.cumsum(m) - m, m)  # exact segments: all their elements
+        sampled = np.flatnonzero(np.repeat(~exact, m))
+        u = torch.rand(len(sampled), generator=self._gen, dtype=torch.float64)  # host: the generator's
+        positions = torch.from_numpy(positions)
+        positions[torch.from_numpy(sampled)] = torch.from_numpy(np.repeat(view.segments.offset_array, m)[sampled]) \
+            + (u * torch.from_numpy(np.repeat(n, m)[sampled])).long()
+        kth = view.kth_largest(ks, positions, m)
         return torch.where(view.k == 1, view.max, kth)

@@ -19,6 +19,7 @@ import torch
 
 from ..segment import Segments
 from .base import Compressor, register_compressor
+from .device import on_host
 from .segmented import NumbaKernels
 from .threshold import Workspace
 
@@ -44,7 +45,7 @@ class TopK(Compressor):
         if self.density >= 1.0:
             return None
         absx = torch.abs(flat, out=self._workspace.magnitudes(flat))
-        if flat.device.type == "cpu" and flat.dtype in NumbaKernels.DTYPES:
+        if on_host(flat):
             kernels = NumbaKernels(segments.offset_array, segments.size_array)
             out, scratch = (self._workspace.indices(flat, slot).numpy() for slot in (0, 1))
             return kernels.to_indices(kernels.select_top(absx.numpy(), segments.k_array(self.density), out, scratch))

@@ -38,12 +38,13 @@ def _stats_kernel(x_ptr, g_ptr, r_ptr, scale_ptr, seg_ptr, start_ptr, stop_ptr, 
     start, stop = tl.load(start_ptr + pid), tl.load(stop_ptr + pid)
     offs = start + tl.arange(0, BLOCK)
     m = offs < stop
-    if FUSED:
-        g = tl.load(g_ptr + offs, mask=m, other=0.0)
-        r = tl.load(r_ptr + offs, mask=m, other=0.0)
+    if FUSED:  # in the accumulation precision, rounded once (half-precision arithmetic is not
+        # portable: Triton's interpreter has no bfloat16 arithmetic)
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(ACC)
+        r = tl.load(r_ptr + offs, mask=m, other=0.0).to(ACC)
         if SCALED:
-            r = r * tl.load(scale_ptr)
-        x = g + r
+            r = r * tl.load(scale_ptr).to(ACC)
+        x = (g + r).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + offs, x, mask=m)
     else:
         x = tl.load(x_ptr + offs, mask=m, other=0.0)

@@ -1,0 +1,159 @@
+"""The Triton kernels equal their PyTorch reference (``horovod_safusion.kernels.reference``).
+
+They run here on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set in
+``tests/conftest.py``): indices and wire rows bit for bit, values to rounding, on random and
+adversarial inputs — ties, zeros, NaN and Inf, one-element segments, segments and buffers not a
+multiple of the block size, half precision.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+pytest.importorskip("triton")
+
+from horovod_safusion import kernels, wire  # noqa: E402
+from horovod_safusion.kernels import reference, triton_ops  # noqa: E402
+from horovod_safusion.segment import Segments  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def buffers(draw):
+    """A segmented buffer with adversarial values, a small block size (so that blocks, segments
+    and the buffer end in every relative position) and per-segment thresholds that tie with
+    elements."""
+    dtype = draw(st.sampled_from(DTYPES))
+    sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    n = sum(sizes)
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    kind = draw(st.sampled_from(["plain", "ties", "zeros", "nonfinite"]))
+    if kind == "ties":
+        x = torch.round(x * 2) / 2  # few distinct magnitudes: thresholds tie with many elements
+    elif kind == "zeros":
+        x[torch.rand(n, generator=g) < 0.5] = 0.0
+    elif kind == "nonfinite":
+        special = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+        picks = torch.randint(0, n, (max(1, n // 50),), generator=g)
+        x[picks] = special[torch.randint(0, 3, (len(picks),), generator=g)]
+    x = x.to(dtype)
+    segments = Segments(tuple(f"s{i}" for i in range(len(sizes))), tuple(sizes))
+    block = draw(st.sampled_from([16, 32, 64]))
+    table = kernels.block_table(segments, torch.device("cpu"), block)
+    a = x.abs().double()
+    thr = []
+    for o, size in zip(segments.offsets, segments.sizes):  # an element's own value: a tie
+        run = a[o:o + size]
+        thr.append(float(run[int(draw(st.integers(0, size - 1)))]) if draw(st.booleans()) else 1.0)
+    return x, segments, table, torch.tensor(thr, dtype=torch.float64).to(dtype)
+
+
+@contextlib.contextmanager
+def triton_kernels():
+    """The package's kernels forced to Triton's (hypothesis runs many examples per test, so no
+    function-scoped ``monkeypatch``)."""
+    before = os.environ.get("HOROVOD_SAFUSION_KERNELS")
+    os.environ["HOROVOD_SAFUSION_KERNELS"] = "triton"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HOROVOD_SAFUSION_KERNELS"]
+        else:
+            os.environ["HOROVOD_SAFUSION_KERNELS"] = before
+
+
+@SETTINGS
+@given(case=buffers())
+def test_segment_stats_equal_the_reference(case):
+    x, _, table, _ = case
+    ref_max, ref_sum, ref_finite = reference.segment_stats(x, table)
+    with triton_kernels():
+        mx, sm, finite = kernels.segment_stats(x, table)
+    assert bool(finite) == bool(ref_finite) == bool(torch.isfinite(x).all())
+    assert torch.equal(mx, ref_max)  # a maximum is exact
+    torch.testing.assert_close(sm, ref_sum, rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(case=buffers())
+def test_selection_writes_the_same_wire_rows_and_residual(case):
+    x, _, table, thr = case
+    ref_flat, tri_flat = x.clone(), x.clone()
+    ref = reference.Selection(ref_flat, thr, table)
+    with triton_kernels():
+        tri = kernels.selection(tri_flat, thr, table)
+        assert torch.equal(tri.counts, ref.counts) and int(tri.total) == int(ref.total)
+        total = int(ref.total)
+        ref_values, ref_idx, ref_rows = ref.take(total)
+        values, idx, rows = tri.take(total)
+    assert torch.equal(rows, ref_rows)  # values' and indices' bits, row for row
+    assert torch.equal(idx, ref_idx)
+    assert torch.equal(values.view(torch.uint8) if values.numel() else values, ref_values.view(torch.uint8)
+                       if ref_values.numel() else ref_values)
+    same = (tri_flat == ref_flat) | (tri_flat.isnan() & ref_flat.isnan())
+    assert bool(same.all())  # the residual: selected elements zeroed, the rest untouched
+    assert bool((tri_flat[idx] == 0).all())
+
+
+@SETTINGS
+@given(case=buffers(), scale=st.floats(0.25, 4.0))
+def test_fused_residual_add_and_statistics(case, scale):
+    """Kernel (a) with error feedback fused: ``x = g + scale · r`` written, its statistics taken."""
+    g, _, table, _ = case
+    r = torch.flip(g, [0]).clone()
+    s = torch.tensor(scale, dtype=g.dtype)
+    out = torch.empty_like(g)
+    mx, sm, bad = triton_ops.segment_stats(out, table, grad=g, residual=r, scale=s)
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    expected = (g.to(wide) + r.to(wide) * s.to(wide)).to(g.dtype)  # rounded once, as the kernel does
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    torch.testing.assert_close(out, g + r * s, equal_nan=True, atol=1e-2, rtol=1e-2)  # PyTorch rounds twice
+    ref_max, ref_sum, ref_finite = reference.segment_stats(out, table)
+    assert (int(bad.sum()) == 0) == bool(ref_finite)
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(0, 2000), numel=st.integers(1, 500),
+       seed=st.integers(0, 2**31 - 1))
+def test_decode_adds_every_rank_s_rows_like_index_add(dtype, rows, numel, seed):
+    """Every rank's rows, indices shared across ranks included, added into the output."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, generator=g).to(dtype)
+    indices = torch.randint(0, numel, (rows,), generator=g)
+    packed = wire.pack(values, indices)
+    ref = torch.zeros(numel, dtype=dtype)
+    reference.decode_rows(packed, ref)
+    out = torch.zeros(numel, dtype=dtype)
+    triton_ops.decode_rows(packed, out)
+    if dtype in (torch.float32, torch.float64):
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    else:  # half precision adds up in float32 there, in its own precision in index_add_
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(rows / numel)))
+
+
+def test_rows_and_indices_keep_their_bits_at_large_offsets(monkeypatch):
+    """Index bits above 2**24 (where a float32 index would round) and an empty selection."""
+    n = (1 << 24) + 40
+    x = torch.zeros(n)
+    x[[0, (1 << 24) + 1, (1 << 24) + 39]] = torch.tensor([2.0, -3.0, 5.0])
+    segments = Segments(("big",), (n,))
+    table = kernels.block_table(segments, torch.device("cpu"), 1 << 16)
+    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", "triton")
+    sel = kernels.selection(x.clone(), torch.tensor([1.0]), table)
+    _, idx, rows = sel.take(int(sel.total))
+    assert idx.tolist() == [0, (1 << 24) + 1, (1 << 24) + 39]
+    out = torch.zeros(n)
+    kernels.decode_rows(rows, out)
+    assert out[(1 << 24) + 1] == -3.0 and float(out.sum()) == 4.0
+    empty = kernels.selection(x.clone(), torch.tensor([float("inf")]), table)
+    assert int(empty.total) == 0 and empty.take(0)[2].shape == (0, wire.row_bytes(torch.float32))
