@@ -68,14 +68,12 @@ class Workspace:
         return self._like(flat, torch.int64, slot)
 
 
-_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # what SegmentView handles
 
 
 def _rounded(thr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """``thr`` rounded to ``dtype`` (a NumPy array of it, or float64 holding its values)."""
-    if dtype in _NUMPY_DTYPES:
-        return thr.astype(_NUMPY_DTYPES[dtype])
-    return torch.from_numpy(thr).to(dtype).to(torch.float64).numpy()
+    """``thr`` rounded to ``dtype`` (a NumPy array of it)."""
+    return thr.astype(_NUMPY_DTYPES[dtype])
 
 
 class SegmentView:
