@@ -42,10 +42,11 @@ from typing import Callable, Sequence
 import torch
 import horovod.torch as hvd
 
+from . import kernels
 from .communicators import Allreduce, Communicator, Pending
 from .communicators.base import wait
 from .compressors import Compressor
-from .compressors.device import on_host
+from .compressors.device import SegmentStats, on_host
 from .momentum import LocalClipping, MomentumCorrection
 from .plan import FusionPlan
 from .residual import ResidualStore
@@ -116,10 +117,11 @@ class FusionBuffer:
         self.indices: torch.Tensor | None = None  # what the last launch selected
         self.values: torch.Tensor | None = None  # what it sent for them (after wire rounding)
         self.poisoned = False  # this rank's error-compensated gradient was not finite
+        self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
 
     def reset(self) -> None:
         """Forget the step in flight (after synchronize, or when a step is abandoned)."""
-        self.pending, self.indices, self.values, self.poisoned = None, None, None, False
+        self.pending, self.indices, self.values, self.poisoned, self.stats = None, None, None, False, None
         self.filled.clear()
 
     def begin(self) -> None:
@@ -301,6 +303,8 @@ class Controller:
         t = tl.mark() if tl else None
         if not buf.filled:
             buf.begin()
+            if self._fuses_statistics(buf):
+                buf.stats = SegmentStats(len(buf.names), buf.device)
         seg = buf.flat[buf.segment(slot)]
         g = self._gradient(buf, slot)
         if self.clipping is not None:
@@ -313,6 +317,8 @@ class Controller:
             self.residuals.pop(name) if self._dense else self.residuals.get(name, seg)
         if r is None:
             seg.copy_(g)
+        elif buf.stats is not None:
+            buf.stats.set(slot, kernels.accumulate(seg, g, r, self._rescale))
         elif self._rescale is not None:
             torch.addcmul(g, r, self._rescale, out=seg)
         else:
@@ -320,6 +326,12 @@ class Controller:
         buf.filled.add(slot)
         if tl:
             tl.span(MEMCPY_IN, t, tensor=buf.names[slot])
+
+    def _fuses_statistics(self, buf: FusionBuffer) -> bool:
+        """Whether this step takes the buffer's selection statistics while filling it: sparse, on
+        the device path with the Triton kernels, and selecting per tensor (one segment per tensor)."""
+        return (not self._dense and buf.selection is buf.tensors and not on_host(buf.flat)
+                and kernels.uses_triton(buf.flat))
 
     def _launch(self, buf: FusionBuffer) -> None:
         tl = self.timeline
@@ -357,7 +369,7 @@ class Controller:
         and the buffer is read back once — its selected count, which sizes the collective,
         together with whether it is finite. Then the momentum and the compressor's state commit,
         and the selection is taken (straight into the wire rows where the kernels write them)."""
-        proposal = self.compressor.propose(buf.flat, buf.selection, self.steps)
+        proposal = self.compressor.propose(buf.flat, buf.selection, self.steps, stats=buf.stats)
         total, finite = proposal.read()  # the one host synchronisation of this buffer
         if not finite:
             return (*self._poisoned(buf), None)  # residuals, momenta and thresholds stay as they were

@@ -56,9 +56,11 @@ class Compressor(Stateful, ABC):
         Indices must be unique; within a segment their order is free.
         """
 
-    def propose(self, flat: torch.Tensor, segments: Segments, step: int) -> "Proposal":
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int,
+                stats: "SegmentStats | None" = None) -> "Proposal":
         """The device path's selection (:mod:`~horovod_safusion.compressors.device`): decided on
-        ``flat``'s device, taken after one host read. The default wraps :meth:`select`, which must
+        ``flat``'s device, taken after one host read; ``stats`` are the segments' statistics if
+        they were taken while the buffer was filled. The default wraps :meth:`select`, which must
         then read nothing back from the device (top-k and random-k do not)."""
         from .device import Proposal
         return Proposal.of_indices(flat, self.select(flat, segments, step))

@@ -48,6 +48,19 @@ def _k(segments: Segments, density: float, device: torch.device) -> torch.Tensor
     return torch.from_numpy(segments.k_array(density).astype(np.float64)).to(device)
 
 
+class SegmentStats:
+    """Per segment ``max |x|``, ``Σ |x|`` and finiteness, filled in tensor by tensor while the
+    gradient hooks write the buffer (:func:`horovod_safusion.kernels.accumulate`)."""
+
+    def __init__(self, segments: int, device: torch.device) -> None:
+        self.max = torch.zeros(segments, dtype=torch.float64, device=device)
+        self.sum = torch.zeros_like(self.max)
+        self.finite = torch.ones(segments, dtype=torch.bool, device=device)
+
+    def set(self, slot: int, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.max[slot], self.sum[slot], self.finite[slot] = stats
+
+
 class Proposal:
     """One buffer's selection, decided on the device and taken after one host read.
 
@@ -96,10 +109,14 @@ class DeviceView:
     (``max``, ``mean`` of ``|x|``, ``live``, target ``k``), compare-and-count passes, and the final
     :class:`Proposal`. ``k_host`` is the target count per segment as a NumPy array."""
 
-    def __init__(self, flat: torch.Tensor, segments: Segments, density: float) -> None:
+    def __init__(self, flat: torch.Tensor, segments: Segments, density: float,
+                 stats: "SegmentStats | None" = None) -> None:
         self.flat, self.segments, self.density = flat, segments, density
         self.table = kernels.block_table(segments, flat.device)
-        self.max, sums, self.finite = kernels.segment_stats(flat, self.table)
+        if stats is None:
+            self.max, sums, self.finite = kernels.segment_stats(flat, self.table)
+        else:  # taken while the buffer was filled
+            self.max, sums, self.finite = stats.max, stats.sum, stats.finite.all()
         self.sizes = _sizes(segments, flat.device)
         self.mean = sums / self.sizes
         self.unit = torch.clamp(self.mean, min=float(np.finfo(np.float64).tiny))

@@ -30,7 +30,7 @@ import torch
 
 from ..segment import Segments
 from .base import Compressor
-from .device import DeviceView, Proposal, on_host
+from .device import DeviceView, Proposal, SegmentStats, on_host
 from .segmented import Band, NumbaKernels, Steps
 from .state import PerSegment
 
@@ -207,8 +207,9 @@ class ThresholdCompressor(Compressor):
         self.refine(view, thr, view.counts(), step)
         return view.indices()
 
-    def propose(self, flat: torch.Tensor, segments: Segments, step: int) -> Proposal:
-        return self.propose_on_device(DeviceView(flat, segments, self.density), step)
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int,
+                stats: SegmentStats | None = None) -> Proposal:
+        return self.propose_on_device(DeviceView(flat, segments, self.density, stats), step)
 
     @abstractmethod
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:

@@ -3,7 +3,8 @@
 ``cuda/README.md`` points here: kernels must be importable by the package, so they live in it.
 The three operations of SAFusion's per-buffer data path (§3.1 Steps 1–3):
 
-* :func:`segment_stats` — per segment ``max |x|``, ``Σ |x|``, and whether the buffer is finite;
+* :func:`segment_stats` — per segment ``max |x|``, ``Σ |x|``, and whether the buffer is finite
+  (:func:`accumulate`: the same for one tensor while its error-compensated gradient is written);
 * :func:`selection` — the per-segment threshold compare: counts at once, then the selected values
   and raw index bits straight into the wire tensor, zeroed in the buffer (the residual);
 * :func:`decode_rows` — every rank's rows added into the dense output.
@@ -23,7 +24,7 @@ import torch
 from .blocks import BlockTable, block_table
 from . import reference
 
-__all__ = ["BlockTable", "block_table", "segment_stats", "selection", "decode_rows", "uses_triton"]
+__all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "decode_rows", "uses_triton"]
 
 CHOICES = ("torch", "triton")
 
@@ -53,6 +54,18 @@ def segment_stats(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, 
     seg_max = torch.zeros(segments, dtype=mx.dtype, device=mx.device).scatter_reduce_(0, table.segment, mx, "amax")
     seg_sum = torch.zeros(segments, dtype=torch.float64, device=mx.device).index_add_(0, table.segment, sm.double())
     return seg_max.double(), seg_sum, bad.sum() == 0
+
+
+def accumulate(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error feedback into one tensor's segment with its statistics taken on the way (Triton only):
+    ``out = grad + scale · residual`` (flat, contiguous), and its ``max |x|``, ``Σ |x|`` over the
+    finite elements and whether all are finite, as 0-dim device tensors — so that the selection
+    does not read the buffer once more for them."""
+    from ..segment import Segments
+    table = block_table(Segments(("x",), (out.numel(),), out.device), out.device)
+    mx, sm, bad = _triton().segment_stats(out, table, grad=grad.contiguous(), residual=residual, scale=scale)
+    return mx.amax().double(), sm.double().sum(), bad.sum() == 0
 
 
 class _TritonSelection:
