@@ -82,5 +82,4 @@ class DGC(PeriodicThreshold):
         positions = torch.from_numpy(positions)
         positions[torch.from_numpy(sampled)] = torch.from_numpy(np.repeat(view.segments.offset_array, m)[sampled]) \
             + (u * torch.from_numpy(np.repeat(n, m)[sampled])).long()
-        kth = view.kth_largest(ks, positions, m)
-        return torch.where(view.k == 1, view.max, kth)
+        return view.kth_largest(ks, positions, m)

@@ -290,7 +290,8 @@ class PeriodicThreshold(ThresholdCompressor):
 
     @abstractmethod
     def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
-        """The device path's :meth:`estimate`: thresholds of every segment (float64 tensor)."""
+        """The device path's :meth:`estimate`: thresholds of every segment (float64 tensor; those
+        of segments with ``k = 1`` are replaced by their maximum)."""
 
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
         """Thresholds estimated for every segment every ``interval`` steps (and for segments never
@@ -298,8 +299,8 @@ class PeriodicThreshold(ThresholdCompressor):
         move each threshold whose count left the band (:meth:`DeviceView.corrected`)."""
         names = view.segments.names
         state = self._threshold.on(names, view.flat.device)
-        if step % self.interval == 0 or self._threshold.unseen(names):
-            thr = self.estimate_on_device(view)
+        if step % self.interval == 0 or self._threshold.unseen(names):  # k = 1: the maximum, exactly
+            thr = torch.where(view.k == 1, view.max, self.estimate_on_device(view))
         else:
             thr = state * view.unit
         low, high = (torch.from_numpy(b).to(view.flat.device) for b in self._band(view.k_host))
