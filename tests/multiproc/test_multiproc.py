@@ -69,6 +69,20 @@ def test_sparse_aggregation_matches_independent_reference(job):
             assert 0.005 < rec[c]["density"] < 0.05, (c, rec[c])
 
 
+def test_device_path_conserves_and_keeps_replicas_identical(job):
+    """The GPU path under horovodrun (CPU tensors; Triton kernels through their interpreter):
+    exact conservation across ranks, no tensor missing, replicas identical, and ranks really
+    selecting different counts (the wire rows of unequal lengths still add up)."""
+    recs = per_rank(job, "device_path")
+    for kernels in ("torch", "triton"):
+        runs = [r[kernels] for r in recs]
+        for r in runs:
+            assert r["conservation_diff"] < 1e-6, (kernels, r)
+            assert r["missing"] == 0 and 0.005 < r["density"] < 0.05, (kernels, r)
+        assert len({r["checksum"] for r in runs}) == 1, (kernels, [r["checksum"] for r in runs])
+        assert len({tuple(r["selected"]) for r in runs}) > 1, (kernels, [r["selected"] for r in runs])
+
+
 def test_dgc_techniques_conserve_and_switch_density_together(job):
     """Momentum correction, masking, local clipping and warm-up: exact conservation of the new
     state, masking where sent, every rank at the same density at every step, replicas identical."""

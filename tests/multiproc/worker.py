@@ -217,6 +217,51 @@ def scenario_dgc_techniques():
     return out
 
 
+def scenario_device_path():
+    """The GPU path on CPU tensors (``HOROVOD_SAFUSION_DEVICE_PATH=1``), with the PyTorch kernels
+    and with the Triton kernels under their interpreter: dgc at 0.01, ranks selecting different
+    counts into one allgather of wire rows the selection wrote itself. Per step, the job's
+    aggregate is the mean of what left every rank (``before + g − after``); records the final
+    parameters' checksum (ranks must agree bit for bit)."""
+    out = {}
+    saved = {k: os.environ.get(k) for k in ("HOROVOD_SAFUSION_DEVICE_PATH", "HOROVOD_SAFUSION_KERNELS")}
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+    try:
+        for kernels in ("torch", "triton"):
+            os.environ["HOROVOD_SAFUSION_DEVICE_PATH"], os.environ["HOROVOD_SAFUSION_KERNELS"] = "1", kernels
+            m = make(width=16)
+            opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
+                                           compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384),
+                                           dense=False)
+            named = list(m.named_parameters())
+            worst, counts = 0.0, []
+            for step in range(4):
+                before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+                opt.zero_grad()
+                x, y = batch(step)
+                F.cross_entropy(m(x), y).backward()
+                acc = [r + p.grad.detach().view(-1) for r, (_, p) in zip(before, named)]
+                opt.synchronize()
+                after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+                counts.append(opt.last_stats.selected)
+                all_acc, all_after = gather_dense(acc), gather_dense(after)
+                for i, (_, p) in enumerate(named):
+                    sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
+                    worst = max(worst, float(np.abs(p.grad.detach().view(-1).double().numpy() - sent_mean).max()))
+                with opt.skip_synchronize():
+                    opt.step()
+            out[kernels] = {"conservation_diff": worst, "selected": counts, "missing": opt.last_stats.missing,
+                            "density": opt.last_stats.density,
+                            "checksum": float(sum(p.detach().double().sum() for p in m.parameters()))}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return out
+
+
 class Branchy(nn.Module):
     """``only_rank0`` is used on rank 0 only; ``never`` is never used."""
 
