@@ -3,7 +3,8 @@
 Each selected element is one row ``[value bytes | index bytes]`` of a ``uint8`` matrix, so a single
 ``allgather`` (which concatenates along dim 0) carries every rank's values *and* indices however
 many elements each rank selected — no second collective for the counts (the authors' prototype
-split the gathered output into equal chunks and corrupted gradients; see shared/papers/README.md).
+split the gathered output into equal chunks and corrupted gradients whenever ranks selected
+different counts).
 Indices are buffer-relative int32 reinterpreted bit for bit, never converted by value (Ok-Topk's
 float32 conversion is exact only below 2**24 elements).
 """

@@ -1,6 +1,6 @@
 """``exdyna``: ExDyna's exclusive, dynamically balanced partitions (ExDyna §IV, Algorithms 1–4).
 
-Per fusion buffer and step (``shared/papers/004``):
+Per fusion buffer and step:
 
 * **Block-based partitioning** (Alg. 2, once per buffer): the buffer is cut into ``n_b`` blocks of
   ``sz_blk`` elements (a multiple of 32 where the buffer is large enough; the remainder goes to

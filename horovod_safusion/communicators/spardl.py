@@ -1,6 +1,6 @@
 """``spardl``: SparDL's Spar-Reduce-Scatter, global residual collection and Bruck all-gather.
 
-SparDL (VLDB; ``shared/papers/002``) §3.1 and Algorithm 1, for any worker count P:
+SparDL (VLDB) §3.1 and Algorithm 1, for any worker count P:
 
 1. **Dividing.** The buffer is cut into P equal index blocks; worker w keeps block w in its
    preservation bag B_0 and puts the next 2^0 blocks into B_1, the next 2^1 into B_2, ..., the

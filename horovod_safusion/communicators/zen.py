@@ -1,6 +1,6 @@
 """``zen``: ZEN's Balanced Parallelism and Hierarchical Centralization, chosen by Eqs. (1)–(2).
 
-ZEN (OSDI'25; ``shared/papers/001``):
+ZEN (OSDI'25):
 
 * **Balanced Parallelism** (Definition 6, §3): *push* — every worker splits its selected
   (value, index) pairs by the shared hash h0 with lossless hierarchical hashing (Algorithm 1,

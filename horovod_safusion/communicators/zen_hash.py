@@ -1,6 +1,6 @@
 """ZEN's hashing: universal hash functions, hierarchical hashing (Alg. 1) and the hash bitmap (Alg. 2).
 
-ZEN (OSDI'25; ``shared/papers/001``) §3.2: a shared universal hash h0 maps every index of a tensor
+ZEN (OSDI'25) §3.2: a shared universal hash h0 maps every index of a tensor
 to one of n partitions ("servers"), which balances push and pull whatever the distribution of the
 non-zero gradients (Theorem 2). Algorithm 1 writes the indices into a per-partition memory of
 ``r1`` parallel slots, trying k rehash functions h1..hk and falling back to a serial overflow

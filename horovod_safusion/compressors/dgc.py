@@ -30,7 +30,7 @@ class DGC(PeriodicThreshold):
         min_samples: a segment smaller than this is thresholded exactly (sampling buys nothing).
         interval: steps between threshold estimations; 1 estimates every step. Larger is cheaper
             but lets the actual density drift while residuals grow.
-        drift: a threshold whose count leaves ``[k / drift, drift · (k + 1)]`` is corrected at once
+        drift: a threshold whose count leaves ``[k / drift − 1, drift · (k + 1)]`` is corrected at once
             (hierarchical selection above, a doubled sample below).
         refine_passes: at most this many corrections per step.
         seed: seed of the sampling generator (each rank may sample differently; only counts

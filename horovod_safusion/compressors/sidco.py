@@ -92,7 +92,7 @@ class SIDCo(PeriodicThreshold):
         distribution: ``"exponential"``, ``"gpareto"`` or ``"gamma-gpareto"``.
         stages: number of fitting stages (SIDCo uses 1–3; more fit the far tail better).
         interval: steps between estimations.
-        drift: correct at once when a count leaves ``[k / drift, drift · (k + 1)]``: above, by
+        drift: correct at once when a count leaves ``[k / drift − 1, drift · (k + 1)]``: above, by
             hierarchical selection; below, by a new estimate with one stage fewer (down to one).
         refine_passes: at most this many corrections per step.
     """
