@@ -40,7 +40,7 @@ def on_host(flat: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=256)
 def _sizes(segments: Segments, device: torch.device) -> torch.Tensor:
-    return torch.tensor(segments.sizes, dtype=torch.float64, device=device)
+    return torch.tensor(segments.sizes, dtype=torch.float64, device=device).clamp(min=1)  # means of empty segments: 0
 
 
 @lru_cache(maxsize=1024)

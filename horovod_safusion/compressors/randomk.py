@@ -46,7 +46,7 @@ class RandomK(Compressor):
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
             return None
-        ks = segments.k_array(self.density)
+        ks = np.minimum(segments.k_array(self.density), segments.size_array)  # an empty segment draws none
         keys = np.array([zlib.crc32(n.encode()) for n in segments.names], dtype=np.uint64)
         owner = np.repeat(np.arange(len(ks)), ks)
         draw = np.arange(len(owner), dtype=np.uint64) - np.repeat(np.cumsum(ks) - ks, ks).astype(np.uint64)

@@ -107,7 +107,7 @@ class SegmentView:
     def means(self, signed: bool = False, squares: bool = False) -> np.ndarray:
         """Per-segment mean of ``x`` or ``|x|`` (or of their squares), float64: one segmented sum."""
         src = self._kernels.wrap(self.flat) if signed else self._abs
-        return self._kernels.segment_sum(src * src if squares else src) / self.sizes
+        return self._kernels.segment_sum(src * src if squares else src) / np.maximum(self.sizes, 1)
 
     def _scratch(self):
         self._slot ^= 1

@@ -26,10 +26,12 @@ from .threshold import Workspace
 
 @lru_cache(maxsize=256)
 def _groups(segments: Segments, density: float) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    """``(size, k, offsets)`` per group of segments with equal size and k."""
+    """``(size, k, offsets)`` per group of segments with equal size and k (an empty segment, e.g.
+    a parameter with no elements, selects nothing)."""
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for o, n, k in zip(segments.offsets, segments.sizes, segments.k_array(density).tolist()):
-        groups[(n, k)].append(o)
+        if n:
+            groups[(n, min(k, n))].append(o)
     return tuple((n, k, tuple(offsets)) for (n, k), offsets in groups.items())
 
 
@@ -57,4 +59,4 @@ class TopK(Compressor):
                 starts = torch.tensor(offsets, device=flat.device)
                 idx = torch.topk(absx.unfold(0, n, 1)[starts], k, dim=1, sorted=False).indices
                 parts.append((idx + starts.unsqueeze(1)).flatten())
-        return torch.cat(parts)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)

@@ -166,3 +166,34 @@ def test_device_path_conserves_every_element(hvd, compressor, kernels, monkeypat
     planner = NaivePlanner(capacity_bytes=4096)
     for opt, model, _ in run_steps(hvd, steps=3, compressor=compressor, density=0.02, fusion=planner):
         assert opt.last_stats.missing == 0 and 0 < opt.last_stats.density < 0.2
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("compressor", [c for c in available_compressors() if c != "none"])
+def test_an_empty_tensor_selects_nothing_and_changes_nothing(compressor, device_path, monkeypatch):
+    """A parameter with no elements is a segment of size 0: it selects nothing, the others select
+    as without it, and nothing warns (no 0/0 in a segment's mean) — on both paths."""
+    from horovod_safusion.compressors import make_compressor
+    from horovod_safusion.segment import Segments
+
+    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1" if device_path else "0")
+
+    def run(segments):
+        c = make_compressor(compressor, 0.02)
+        torch.manual_seed(0)
+        flat = torch.randn(800)
+        for step in range(3):
+            if device_path:
+                proposal = c.propose(flat, segments, step)
+                total, _ = proposal.read()
+                proposal.commit()
+                idx = proposal.take(total)[1]
+            else:
+                idx = c.select(flat, segments, step)
+                flat.index_fill_(0, idx, 0)
+        return segments.counts(idx).tolist()
+
+    with_empty = run(Segments(("a", "empty", "b"), (500, 0, 300)))
+    assert with_empty[1] == 0
+    assert [with_empty[0], with_empty[2]] == run(Segments(("a", "b"), (500, 300)))

@@ -2,8 +2,8 @@
 
 They run here on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set in
 ``tests/conftest.py``): indices and wire rows bit for bit, values to rounding, on random and
-adversarial inputs — ties, zeros, NaN and Inf, one-element segments, segments and buffers not a
-multiple of the block size, half precision.
+adversarial inputs — ties, zeros, NaN and Inf, empty and one-element segments, segments and
+buffers not a multiple of the block size, half precision.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def buffers(draw):
     and the buffer end in every relative position) and per-segment thresholds that tie with
     elements."""
     dtype = draw(st.sampled_from(DTYPES))
-    sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    sizes = draw(st.lists(st.integers(0, 300), min_size=1, max_size=6).filter(any))  # empty segments too
     n = sum(sizes)
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +53,7 @@ def buffers(draw):
     thr = []
     for o, size in zip(segments.offsets, segments.sizes):  # an element's own value: a tie
         run = a[o:o + size]
-        thr.append(float(run[int(draw(st.integers(0, size - 1)))]) if draw(st.booleans()) else 1.0)
+        thr.append(float(run[int(draw(st.integers(0, size - 1)))]) if size and draw(st.booleans()) else 1.0)
     return x, segments, table, torch.tensor(thr, dtype=torch.float64).to(dtype)
 
 
