@@ -8,10 +8,11 @@ buffer is read back once, for the count that sizes its collective (:class:`Propo
 
 Where the CPU path takes a data-dependent branch, the device path takes it on the device:
 
-* a count outside a compressor's band is corrected by fixed passes of compare-and-count, each
-  moving the threshold along an exponential tail fitted to the segment
-  (``count ∝ exp(−τ / mean|x|)``, so ``τ + mean|x| · ln(count / k)`` selects about k) — DGC's
-  hierarchical selection and effort escalation become these passes;
+* a count outside a compressor's band is corrected by a fixed number of compare-and-count passes
+  (:meth:`DeviceView.corrected`: a step along the segment's exponential tail, then secants in
+  log-count inside the bracket the counts proved) — DGC's hierarchical selection and SIDCo's
+  effort escalation become these passes; RedSync's bisection and GaussianK's stepping run all
+  their passes, since stopping early would need the counts on the host;
 * periodic re-estimation happens for all segments on the steps the host can name (every
   ``interval`` steps, or for segments it has not seen), not when a segment's estimate went stale;
 * a compressor's state is updated only after the host read said the buffer was finite.
