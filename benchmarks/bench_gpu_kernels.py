@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from horovod_safusion import kernels, wire
+from horovod_safusion import kernels
 from horovod_safusion.segment import Segments
 
 SEGMENTS = 16

@@ -11,13 +11,16 @@ split into Compressor / Memory / Communicator. New compressors register by decor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..checkpoint import Stateful
 from ..registry import Registry
 from ..segment import Segments
+
+if TYPE_CHECKING:  # for annotations only: propose() imports them when it runs
+    from .device import Proposal, SegmentStats
 
 
 def check_density(density: float) -> float:
@@ -57,7 +60,7 @@ class Compressor(Stateful, ABC):
         """
 
     def propose(self, flat: torch.Tensor, segments: Segments, step: int,
-                stats: "SegmentStats | None" = None) -> "Proposal":
+                stats: SegmentStats | None = None) -> Proposal:
         """The device path's selection (:mod:`~horovod_safusion.compressors.device`): decided on
         ``flat``'s device, taken after one host read; ``stats`` are the segments' statistics if
         they were taken while the buffer was filled. The default wraps :meth:`select`, which must
