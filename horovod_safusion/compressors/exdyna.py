@@ -80,10 +80,11 @@ class ExDyna(ThresholdCompressor):
         for n in names:
             self._threshold[n] *= sf
 
-    def _factor(self, exam: "float | np.ndarray") -> "float | np.ndarray":
-        """Algorithm 5's scaling factor for ``exam = k′/k`` (a number, or one per segment)."""
-        return np.where(exam > self.beta, 1 + self.gamma,
-                        np.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
+    def _factor(self, exam: "float | np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        """Algorithm 5's scaling factor for ``exam = k′/k`` (a number, or one per segment, as a
+        NumPy array or a device tensor)."""
+        where = torch.where if isinstance(exam, torch.Tensor) else np.where
+        return where(exam > self.beta, 1 + self.gamma, where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0
@@ -107,7 +108,7 @@ class ExDyna(ThresholdCompressor):
         largest. Paired with the ``exdyna`` communicator, :attr:`last_selection` names every
         segment (which ones are all-zero is known only on the device)."""
         names = view.segments.names
-        delta = self._threshold.on(names, view.flat.device)
+        state = delta = self._threshold.on(names, view.flat.device)
         unit = view.unit if self.relative else torch.ones_like(view.unit)
         if self._threshold.unseen(names):
             seen = torch.tensor([not self._threshold.unseen((n,)) for n in names], device=delta.device)
@@ -117,13 +118,10 @@ class ExDyna(ThresholdCompressor):
         def commit(counts: torch.Tensor) -> None:
             if self._global:
                 self.last_selection = (names, int(view.k_host.sum()))
-                scaled = delta
-            else:
-                exam = counts / torch.clamp(view.k, min=1.0)
-                factor = torch.where(exam > self.beta, 1 + self.gamma,
-                                     torch.where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
-                scaled = torch.where(view.live, delta * factor, delta)
-            self._threshold.on(names, delta.device).copy_(scaled)
+                state.copy_(delta)
+            else:  # k'/k per segment, as on the host
+                factor = self._factor(counts / torch.clamp(view.k, min=1.0))
+                state.copy_(torch.where(view.live, delta * factor, delta))
             self._threshold.mark(names)
 
         return view.propose(thr, commit)

@@ -15,6 +15,7 @@ tensors when it is installed, PyTorch otherwise. Triton is imported only when ch
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from types import ModuleType
@@ -36,7 +37,14 @@ def uses_triton(t: torch.Tensor) -> bool:
         raise ValueError(f"HOROVOD_SAFUSION_KERNELS must be one of {CHOICES}, got {forced!r}")
     if forced:
         return forced == "triton"
-    return t.is_cuda and importlib.util.find_spec("triton") is not None
+    return t.is_cuda and _triton_installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    """Whether Triton can be imported (looked up once: a search of the path per call would cost
+    on every selection pass of a GPU job without Triton)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _triton() -> ModuleType:

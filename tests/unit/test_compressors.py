@@ -475,3 +475,18 @@ def test_exdyna_scales_each_tensor_by_its_own_count():
     for step in range(2, 40):
         last = s.counts(c.select(flat.clone(), s, step))
     assert all(0.7 * 200 <= n <= 1.5 * 200 for n in last), last
+
+
+@pytest.mark.parametrize("family", ["exponential", "gpareto", "gamma"])
+def test_sidco_device_quantiles_equal_the_host_ones(family):
+    """The device path's fits (``quantile_on_device``; the gamma's inverse by Newton steps, which
+    PyTorch lacks) give SciPy's quantiles, including the degenerate moments."""
+    from horovod_safusion.compressors.sidco import quantile, quantile_on_device
+
+    g = np.random.default_rng(3)
+    m = np.concatenate([g.uniform(0.01, 2.0, 40), [0.0, 1.0, 0.5]])
+    v = np.concatenate([m[:40] ** 2 * g.uniform(0.2, 3.0, 40), [1.0, 0.0, 0.25]])  # shapes 0.33–5
+    p = np.concatenate([g.uniform(0.001, 0.3, 40), [0.1, 0.1, 0.01]])
+    host = quantile(m, v, p, family)
+    device = quantile_on_device(*(torch.from_numpy(a) for a in (m, v, p)), family).numpy()
+    np.testing.assert_allclose(device, host, rtol=1e-6, atol=1e-12)
