@@ -38,7 +38,7 @@ from models import resnet18  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
 from horovod_safusion.communicators import Zen  # noqa: E402
-from horovod_safusion.generator import NaivePlanner  # noqa: E402
+from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 from horovod_safusion.wire import row_bytes  # noqa: E402
 
 COMMUNICATORS = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdyna": lambda: "exdyna",

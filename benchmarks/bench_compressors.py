@@ -16,7 +16,7 @@ re-estimations where they fall on the same iterations — every buffer's, behind
 refinements spread them over iterations, ahead: on SIDCo it flattered ``behind`` by up to 20 %).
 It prints a table, draws a PNG, and writes each compressor's cost curve (seconds against dense
 bytes, plus the per-segment cost) as JSON in the format of
-:class:`horovod_safusion.generator.CostCurve`.
+:class:`horovod_safusion.fusion.CostCurve`.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from digits import load_digits_split  # noqa: E402
 from models import resnet18  # noqa: E402
 
 from horovod_safusion.compressors import available_compressors, make_compressor  # noqa: E402
-from horovod_safusion.controller import sparsify  # noqa: E402
-from horovod_safusion.generator import InterPlanner, TensorInfo  # noqa: E402
-from horovod_safusion.generator.online import compression_sweep  # noqa: E402
+from horovod_safusion.compressors import sparsify  # noqa: E402
+from horovod_safusion.fusion import InterPlanner, TensorInfo  # noqa: E402
+from horovod_safusion.sweeps import compression_sweep  # noqa: E402
 from horovod_safusion.segment import Segments  # noqa: E402
 
 COMPRESSORS = [c for c in available_compressors() if c != "none"]

@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from horovod_safusion.generator import (CostCurve, CupcakePlanner, OMGSPlanner, Profile,  # noqa: E402
+from horovod_safusion.fusion import (CostCurve, CupcakePlanner, OMGSPlanner, Profile,  # noqa: E402
                                         TensorInfo, simulate)
 from horovod_safusion.plan import FusionPlan  # noqa: E402
 

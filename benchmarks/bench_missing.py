@@ -32,7 +32,7 @@ from models import resnet18  # noqa: E402
 from schemes import batch  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.generator import FusionDegreePlanner  # noqa: E402
+from horovod_safusion.fusion import FusionDegreePlanner  # noqa: E402
 
 
 def run(degree: float, order: str, args, data) -> dict:

@@ -1,7 +1,7 @@
 """Measured iteration time of SAFusion's planners side by side: naive, inter, inter+intra (§3.1–3.3).
 
 ``safusion-paper`` is Steps 1–2 of §3.3 exactly as specified; ``safusion`` (the default) adds the
-simulator guard described in :mod:`horovod_safusion.generator.adaptive`.
+simulator guard described in :mod:`horovod_safusion.fusion.safusion`.
 
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_planners.py [--reps 3 --steps 10]
 
@@ -31,7 +31,7 @@ from digits import load_digits_split  # noqa: E402
 from models import resnet18  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.generator import InterPlanner, NaivePlanner, SAFusionPlanner, simulate  # noqa: E402
+from horovod_safusion.fusion import InterPlanner, NaivePlanner, SAFusionPlanner, simulate  # noqa: E402
 
 
 def planners(args):

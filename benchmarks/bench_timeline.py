@@ -39,10 +39,10 @@ from digits import DigitsCNN, load_digits_split  # noqa: E402
 from models import resnet18  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.generator import NaivePlanner  # noqa: E402
+from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 from horovod_safusion.timeline.breakdown import breakdown, plot, table  # noqa: E402
 from horovod_safusion.timeline.merge import merge  # noqa: E402
-from horovod_safusion.timeline.recorder import COMPRESS  # noqa: E402
+from horovod_safusion.observer import COMPRESS  # noqa: E402
 from horovod_safusion.timeline.trace import load_events, write_trace  # noqa: E402
 
 

@@ -24,7 +24,7 @@ def _first_line(obj) -> str:
 def cmd_list(_: argparse.Namespace) -> int:
     from .communicators.base import COMMUNICATORS
     from .compressors.base import COMPRESSORS
-    from .generator.base import PLANNERS
+    from .fusion.planner import PLANNERS
     for registry in (COMPRESSORS, PLANNERS, COMMUNICATORS):
         print(f"{registry.plural}:")
         for name, cls in registry.items():
@@ -62,7 +62,7 @@ def profile_model(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .generator import (CostCurve, CupcakePlanner, InterPlanner, NaivePlanner, OMGSPlanner, Profile,
+    from .fusion import (CostCurve, CupcakePlanner, InterPlanner, NaivePlanner, OMGSPlanner, Profile,
                             SAFusionPlanner, simulate)
     if (args.profile is None) == (args.model is None):
         raise SystemExit("give exactly one of --profile FILE or --model package.module:callable")
@@ -121,7 +121,7 @@ def cmd_timeline_breakdown(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .generator.naive import DEFAULT_CAPACITY_BYTES
+    from .fusion.safusion_naive import DEFAULT_CAPACITY_BYTES
     ap = argparse.ArgumentParser(prog="python -m horovod_safusion", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

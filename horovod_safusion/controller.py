@@ -43,16 +43,17 @@ import torch
 import horovod.torch as hvd
 
 from . import kernels
-from .communicators import Allreduce, Communicator, Pending
+from .buffer import FusionBuffer
+from .communicators import Allreduce, Communicator
 from .communicators.base import wait
-from .compressors import Compressor
+from .compressors import Compressor, sparsify
 from .compressors.device import SegmentStats, on_host
 from .momentum import LocalClipping, MomentumCorrection
-from .plan import FusionPlan
+from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, WAIT,
+                       Observer, combine)
+from .plan import FusionPlan, check_plan_across_ranks
 from .residual import ResidualStore
-from .segment import Segments
 from .warmup import DensityWarmup
-from .timeline.recorder import COMPRESS, DECOMPRESS, MEMCPY_IN, MEMCPY_OUT
 
 
 @dataclass
@@ -85,75 +86,6 @@ class StepStats:
     @property
     def missing_rate(self) -> float:
         return self.missing / self.tensors if self.tensors else 0.0
-
-
-class FusionBuffer:
-    """One fusion buffer: its parameters, their segments of one flat tensor, and its state."""
-
-    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.Tensor], order: str) -> None:
-        dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(f"fusion buffer {index} mixes dtypes {sorted(map(str, dtypes))} or devices "
-                             f"{sorted(map(str, devices))}; one buffer is one flat tensor")
-        self.index = index
-        self.tag = str(index)
-        self.names = tuple(names)
-        self.params = tuple(params)
-        self.dtype, self.device = params[0].dtype, params[0].device
-        self.tensors = Segments(self.names, tuple(p.numel() for p in params), self.device)
-        # Selection segments: one per tensor (ahead) or one for the whole buffer (behind).
-        self.selection = (self.tensors if order == "ahead" else
-                          Segments((f"{self.names[0]}..{self.names[-1]}",), (self.tensors.numel,), self.device))
-        self.numel = self.tensors.numel
-        # Two flat tensors, used in turn: the selection leaves the unsent rest in the one it read,
-        # and the residuals stay there as views (no copy-back); the next step fills the other.
-        self._flats: list[torch.Tensor | None] = [None, None]
-        self._filling = 0
-        self.holds_residuals: int | None = None  # which of the two the residuals are views into
-        self.flat: torch.Tensor | None = None  # the one this step fills
-        self.filled: set[int] = set()
-        self.pending: Pending | None = None
-        self.indices: torch.Tensor | None = None  # what the last launch selected
-        self.values: torch.Tensor | None = None  # what it sent for them (after wire rounding)
-        self.poisoned = False  # this rank's error-compensated gradient was not finite
-        self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
-
-    def reset(self) -> None:
-        """Forget the step in flight (after synchronize, or when a step is abandoned)."""
-        self.pending, self.indices, self.values, self.poisoned, self.stats = None, None, None, False, None
-        self.filled.clear()
-
-    def begin(self) -> None:
-        """Pick the flat tensor this step fills: the one that does not hold the residuals (a step
-        in which this buffer was not selected from leaves them where they were)."""
-        i = 0 if self.holds_residuals is None else 1 - self.holds_residuals
-        if self._flats[i] is None:
-            self._flats[i] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        self.flat, self._filling = self._flats[i], i
-
-    def rest_kept(self) -> None:
-        """The residuals are now views into the flat tensor this step filled."""
-        self.holds_residuals = self._filling
-
-    def segment(self, slot: int) -> slice:
-        off = self.tensors.offsets[slot]
-        return slice(off, off + self.tensors.sizes[slot])
-
-
-def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments,
-             step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Select from ``flat`` and leave the unselected rest in it (it becomes the residual).
-
-    Returns ``(values, indices)``; ``indices`` is ``None`` when everything is sent, and then
-    ``values`` is ``flat`` itself.
-    """
-    indices = None if compressor.dense else compressor.select(flat, segments, step)
-    if indices is None:
-        return flat, None
-    values = flat[indices]
-    flat.index_fill_(0, indices, 0)
-    return values, indices
 
 
 def _finite(flat: torch.Tensor) -> bool:
@@ -201,8 +133,8 @@ class Controller:
         self._wire_rounds = communicator.compression is not hvd.Compression.none
         self.steps = 0
         self.last_stats = StepStats()
-        self.recorder = None  # a StepRecorder while the generator profiles this step
-        self.timeline = None  # a TimelineRecorder when the timeline is on (horovod_safusion.timeline)
+        self._observers: list[Observer] = []
+        self.observer: Observer | None = None  # those watching, as one (None: nobody pays)
         self._dense_communicator: Communicator | None = None
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
         self.target_density = 1.0 if compressor.dense else compressor.density
@@ -221,6 +153,30 @@ class Controller:
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
         if self.momentum is not None:
             self.momentum.attach(self.buffers)
+
+    def switch_plan(self, plan: FusionPlan) -> None:
+        """:meth:`set_plan`, then check that every rank switched to the same plan (a collective
+        over the communicator's process set, SAFusion §3.2's alignment)."""
+        self.set_plan(plan)
+        check_plan_across_ranks(plan, self.communicator.process_set)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the fusion buffers (of the first one, where parameters are spread)."""
+        return self.buffers[0].device
+
+    # ---- observers (the online profiler, the timeline) -------------------------------------------
+    def observe(self, observer: Observer) -> None:
+        """Report every phase of the steps from now on to ``observer`` too."""
+        if observer not in self._observers:
+            self._observers.append(observer)
+            self.observer = combine(self._observers)
+
+    def unobserve(self, observer: Observer) -> None:
+        """Stop reporting to ``observer`` (nothing happens if it was not observing)."""
+        if observer in self._observers:
+            self._observers.remove(observer)
+            self.observer = combine(self._observers)
 
     def density_at(self, step: int) -> float:
         """The density step ``step`` selects at (the warm-up's, else the target)."""
@@ -254,17 +210,13 @@ class Controller:
             return
         if not self._step_open:
             self._open_step()
-        rec, tl = self.recorder, self.timeline
-        if rec:
-            rec.gradient_ready(buf.names[slot])
-        t = tl.mark() if tl else None
+        obs = self.observer
+        t = obs.mark() if obs else None
         self._fill(buf, slot)
         if len(buf.filled) == len(buf.names):
             self._launch(buf)
-        if tl:
-            tl.gradient_ready(buf.names[slot], t)
-        if rec:
-            rec.hook_done()
+        if obs:
+            obs.span(GRADIENT_READY, t, tensor=buf.names[slot])
 
     def _open_step(self) -> None:
         """The first gradient of a step: read its loss scale and how residuals must be rescaled."""
@@ -299,8 +251,8 @@ class Controller:
         return g.reshape(-1)
 
     def _fill(self, buf: FusionBuffer, slot: int) -> None:
-        tl = self.timeline
-        t = tl.mark() if tl else None
+        obs = self.observer
+        t = obs.mark() if obs else None
         if not buf.filled:
             buf.begin()
             if self._fuses_statistics(buf):
@@ -324,18 +276,18 @@ class Controller:
         else:
             torch.add(g, r, out=seg)
         buf.filled.add(slot)
-        if tl:
-            tl.span(MEMCPY_IN, t, tensor=buf.names[slot])
+        if obs:
+            obs.span(MEMCPY_IN, t, tensor=buf.names[slot])
 
     def _fuses_statistics(self, buf: FusionBuffer) -> bool:
         """Whether this step takes the buffer's selection statistics while filling it: sparse, on
         the device path with the Triton kernels, and selecting per tensor (one segment per tensor)."""
-        return (not self._dense and buf.selection is buf.tensors and not on_host(buf.flat)
+        return (not self._dense and buf.selection is buf.segments and not on_host(buf.flat)
                 and kernels.uses_triton(buf.flat))
 
     def _launch(self, buf: FusionBuffer) -> None:
-        tl = self.timeline
-        t = tl.mark() if tl else None
+        obs = self.observer
+        t = obs.mark() if obs else None
         rows = None  # the wire rows, where the selection wrote them itself (the device path)
         if self._dense:
             values, indices = buf.flat, None
@@ -353,16 +305,16 @@ class Controller:
                 values = self._round_for_wire(buf, values, indices)
             self._keep_rest(buf, indices)
         buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
-        if tl:
-            t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
+        if obs:
+            t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
         comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
         residual = buf.flat if indices is not None and not buf.poisoned else None
         extra = {"residual": residual} if comm.wants_residual else {}
         if comm.takes_rows:
             extra["rows"] = rows
         buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)
-        if tl:
-            tl.submitted(buf.index, t)
+        if obs:
+            obs.span(SUBMIT, t, buffer=buf.index)
 
     def _select_on_device(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The device path (GPU buffers, half precision): the compressor decides on the device,
@@ -420,9 +372,10 @@ class Controller:
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
         """Start what has not started, wait for every buffer, write the aggregated ``p.grad``."""
-        rec, tl = self.recorder, self.timeline
-        if tl:
-            tl.synchronize_begins()
+        obs = self.observer
+        if obs:
+            t_sync = obs.mark()
+            obs.synchronize_begins(self.steps, self.plan.planner, obs.profiles)
         if not self._step_open:
             self._open_step()
         for buf in self.buffers:  # same order on every rank
@@ -435,14 +388,13 @@ class Controller:
         stats = StepStats(buffers=len(self.buffers))
         missing: list[torch.Tensor] = []  # per buffer, tensors that sent nothing (device tensors)
         for buf in self.buffers:
-            t = tl.mark() if tl else None
+            t = obs.mark() if obs else None
             buf.pending.collect()  # waiting: communication
             if hit is not None and not isinstance(hit, bool):  # submitted last: waits for the others too
                 hit = bool(wait(hit).item())
-            t0 = rec.clock.mark() if rec else None
-            t = tl.collected(buf.index, t) if tl else None
+            t = obs.span(WAIT, t, buffer=buf.index) if obs else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
-            t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
+            t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             if hit:
                 out, leftover = self._skipped(buf), None
@@ -453,10 +405,8 @@ class Controller:
                 if leftover is not None:
                     rest = leftover[buf.segment(slot)]
                     self.residuals.get(buf.names[slot], rest).add_(rest)
-            if tl:
-                tl.span(MEMCPY_OUT, t, buffer=buf.index)
-            if rec:
-                rec.aggregated(t0, rec.clock.mark())
+            if obs:
+                obs.span(MEMCPY_OUT, t, buffer=buf.index)
             stats.tensors += len(buf.names)
             stats.elements += buf.numel
             stats.bytes_sent += buf.pending.bytes_sent
@@ -467,17 +417,15 @@ class Controller:
                 stats.selected += buf.numel
             else:
                 stats.selected += buf.indices.numel()
-                missing.append((buf.tensors.counts(buf.indices) == 0).sum())
+                missing.append((buf.segments.counts(buf.indices) == 0).sum())
             buf.reset()
         stats.missing = int(torch.stack(missing).sum()) if missing else 0  # one read per step
         self.steps += 1
         self._residual_scale = self._step_scale
         self._step_open = False
         self.last_stats = stats
-        if rec:
-            rec.synchronized()
-        if tl:
-            tl.synchronize_ends()
+        if obs:
+            obs.span(SYNCHRONIZE, t_sync)
         return stats
 
     def _poisoned_anywhere(self) -> int:

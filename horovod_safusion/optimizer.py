@@ -39,11 +39,11 @@ from .communicators import Communicator, make_communicator
 from .compressors import Compressor, make_compressor
 from . import checkpoint
 from .controller import Controller, StepStats
-from .generator import GroupsPlanner, Planner, Profile, TensorInfo, make_planner
-from .generator.adaptive import check_dense_choice
-from .generator.online import OnlineGenerator
+from .fusion import GroupsPlanner, Planner, Profile, make_planner
+from .fusion.safusion import check_dense_choice
 from .momentum import LocalClipping, MomentumCorrection, check_momentum_groups, momentum_suspended
-from .plan import FusionPlan, check_plan_across_ranks
+from .plan import FusionPlan, TensorInfo, check_plan_across_ranks
+from .profiling import OnlineProfiler
 from .timeline.recorder import TimelineRecorder, make_recorder
 from .warmup import DensityWarmup
 
@@ -98,7 +98,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
 
-        self._handles: dict[torch.Tensor, bool] = {}
+        self._launched: dict[torch.Tensor, bool] = {}  # parameter → its gradient went to the controller
         self._hook_handles = []
         self._synchronized = False
         self._should_synchronize = True
@@ -121,8 +121,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                if op == hvd.Average else (1.0, 1.0))
         self._tensors = [TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
                          for n, p in self._named_trainable]
-        self._generator = OnlineGenerator(self._planner, profile_steps=profile_steps, replan_every=replan_every)
-        plan = self._generator.initial_plan(self._tensors)
+        self._profiler = OnlineProfiler(self._planner, self._tensors, {n: p.dtype for n, p in self._named_trainable},
+                                        process_set, profile_steps=profile_steps, replan_every=replan_every)
+        plan = self._profiler.initial_plan()
         warmup = DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density)
         self._momentum_correction = bool(momentum_correction)
         self._controller = Controller(
@@ -132,6 +133,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             clipping=None if local_clipping is None else LocalClipping(local_clipping, process_set.size()),
             warmup=warmup if warmup.steps else None)
         recorder = make_recorder(timeline)
+        self._timeline: TimelineRecorder | None = None
         # Under Horovod elastic a worker may be built while the others are already training, so
         # the collectives below wait for hvd.elastic.TorchState's sync, which every worker reaches.
         self._awaiting_sync = os.environ.get("HOROVOD_ELASTIC") == "1"
@@ -142,7 +144,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 comm.setup(comp)  # may run collectives: every rank of the process set is here
             self._register_hooks()
             if recorder is not None:
-                self._controller.timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
+                self._timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
 
     # ---- SAFusion's view ---------------------------------------------------------------------
     @property
@@ -152,18 +154,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_plan(self, plan: FusionPlan) -> None:
         """Switch every rank to ``plan`` (a collective: call it on all ranks between steps)."""
-        if self._handles:
+        if self._launched:
             raise RuntimeError("set_plan() was called after loss.backward() but before step() or "
                                "synchronize(); change the plan between steps")
-        self._controller.set_plan(plan)
         if self.process_set.included():
-            check_plan_across_ranks(plan, self.process_set)
+            self._controller.switch_plan(plan)
+        else:
+            self._controller.set_plan(plan)
 
     @property
     def profile(self) -> Profile | None:
         """The profile the current plan was made from (``None`` until profiling is done, and for
         planners that need none)."""
-        return self._generator.profile
+        return self._profiler.profile
 
     @property
     def compressor(self) -> Compressor:
@@ -180,13 +183,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def timeline(self) -> TimelineRecorder | None:
         """This rank's timeline recorder (``None`` when off); ``timeline.close()`` finishes the file."""
-        return self._controller.timeline
+        return self._timeline
 
     @property
     def settled(self) -> bool:
         """Whether the plan is final for now: the profile is taken and no sparse-against-dense
         trial is under way (the same on every rank). Benchmarks time steps after this."""
-        gen = self._generator
+        gen = self._profiler
         return not gen.planner.needs_profile or (gen.profile is not None and (gen.trial is None or gen.trial.done))
 
     @property
@@ -211,7 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressor or density loads with a warning and leaves the residuals as they are (empty in
         a fresh process). A residual whose size does not fit its parameter is an error.
         Not a collective: it may run on any subset of ranks (e.g. Horovod elastic's restore)."""
-        self._handles = {}
+        self._launched = {}
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
@@ -256,7 +259,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    "synchronised by hvd.elastic.TorchState: pass it as "
                                    "hvd.elastic.TorchState(model, optimizer, ...) and train inside "
                                    "@hvd.elastic.run")
-            if self._handles.get(p):
+            if self._launched.get(p):
                 if self._allreduce_delay[p] <= 0:
                     raise AssertionError(
                         "Gradients were computed more than "
@@ -269,7 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             launched = self._allreduce_delay[p] == 0
             if launched:
                 self._controller.grad_ready(p)
-            self._handles[p] = launched
+            self._launched[p] = launched
         return hook
 
     def synchronize(self):
@@ -279,7 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller.synchronize()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
-        self._handles.clear()
+        self._launched.clear()
         self._synchronized = True
 
     @contextmanager
@@ -318,14 +321,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 loss = super(self.__class__, self).step(closure)
         else:
             loss = super(self.__class__, self).step(closure)
-        if self._generator.active and self.process_set.included():
-            self._generator.step_ends(self._controller, self._tensors, self.process_set)
-        if self._controller.timeline:
-            self._controller.timeline.step_ends()
+        if self._profiler.active and self.process_set.included():
+            self._profiler.step_ends(self._controller)
+        if self._timeline is not None:
+            self._timeline.step_ends()
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
+        if self._launched:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
@@ -421,9 +424,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                 or a ``Planner`` instance. Cannot be combined with Horovod's ``groups``.
         communicator: ``"auto"`` (dense allreduce for ``compressor="none"``, sparse allgather
                       otherwise), a registered name, or a ``Communicator`` instance.
-        profile_steps: iterations the generator measures before planning (after one warm-up
-                       iteration), for planners that need a profile. During them every
-                       collective is waited for at once, so they do not overlap communication.
+        profile_steps: iterations measured before planning (after one warm-up iteration), for
+                       planners that need a profile. They train as usual, communication
+                       overlapped; after the last one, short sweeps time the compressor and
+                       one collective per message size on every rank.
         replan_every: re-profile and re-plan every this many iterations (default: plan once).
         timeline: record the plugin's phases as Chrome-trace events to this file (one per rank:
                   ``saf.json`` → ``saf.rank0.json``; ``{rank}`` in the path is replaced instead),
@@ -511,12 +515,12 @@ def _elastic_sync(opt) -> None:
     (a joining worker has none), and profile again if the world size changed. Residuals stay
     with the worker that holds them, so none is duplicated; those of a worker that died are lost
     with it, as its gradient of the failed step."""
-    ctl, gen, ps = opt._controller, opt._generator, opt.process_set
-    opt._handles = {}
+    ctl, gen, ps = opt._controller, opt._profiler, opt.process_set
+    opt._launched = {}
     for p in opt._allreduce_delay:
         opt._allreduce_delay[p] = opt.backward_passes_per_step
     ctl.abandon_step()
-    ctl.recorder = None
+    gen.drop_step(ctl)
     rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "generator": gen.state_dict(), "steps": ctl.steps,
                                   "world_size": opt._world_size, "communicator": ctl.communicator.state_dict()},
                                  root_rank=0, name="saf.elastic.sync", process_set=ps)
@@ -524,12 +528,10 @@ def _elastic_sync(opt) -> None:
     ctl.communicator.setup(ctl.compressor)
     gen.load_state_dict(rank0["generator"])
     ctl.steps = rank0["steps"]
-    plan = FusionPlan.from_json(rank0["plan"])
-    ctl.set_plan(plan)
+    ctl.switch_plan(FusionPlan.from_json(rank0["plan"]))
     if rank0["world_size"] != ps.size():
         gen.restart()
     opt._world_size = ps.size()
-    check_plan_across_ranks(plan, ps)
     opt._awaiting_sync = False
 
 
@@ -557,7 +559,7 @@ def _loss_scale(scaler: Any):
 def _safusion_state(opt, all_ranks: bool) -> dict:
     """What ``state_dict()`` adds: per rank (this one, or all with ``all_ranks``) the residuals and
     the compressor's and communicator's state; for the job, the plan, the generator and the step."""
-    ctl, gen = opt._controller, opt._generator
+    ctl, gen = opt._controller, opt._profiler
     size, rank = opt.process_set.size(), opt.process_set.rank()
     local = {"residuals": ctl.residuals.state_dict(), "compressor": ctl.compressor.state_dict(),
              "communicator": ctl.communicator.state_dict(),
@@ -576,7 +578,7 @@ def _safusion_state(opt, all_ranks: bool) -> dict:
 
 
 def _load_safusion_state(opt, saved: dict) -> None:
-    ctl, gen = opt._controller, opt._generator
+    ctl, gen = opt._controller, opt._profiler
     size, rank = opt.process_set.size(), opt.process_set.rank()
     old_size, per_rank = int(saved["world_size"]), saved["ranks"]
     # this rank's own state where the checkpoint has it, else that of the rank it takes over from
@@ -596,7 +598,7 @@ def _load_safusion_state(opt, saved: dict) -> None:
     if saved["communicator"] == type(ctl.communicator).__name__ and old_size == size:
         ctl.communicator.load_state_dict(source["communicator"])
     ctl.steps = int(saved["steps"])
-    ctl.recorder = None
+    gen.drop_step(ctl)
     gen.load_state_dict(saved["generator"])
     plan = FusionPlan.from_json(saved["plan"])
     if old_size == size and set(plan.names) == set(ctl.params):

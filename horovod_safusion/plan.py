@@ -25,6 +25,21 @@ MAX_BUFFER_ELEMENTS = 2**31 - 1  # buffer-relative indices travel as int32
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """What a planner knows about one gradient tensor: planners see these records, never the
+    model, so plans are data that can be made offline, saved, compared and checked across ranks."""
+
+    name: str
+    numel: int
+    element_size: int
+    group: str  # dtype and device: one fusion buffer is one flat tensor, so never mix groups
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+@dataclass(frozen=True)
 class FusionPlan:
     """Ordered fusion buffers of parameter names plus the sparsification order.
 

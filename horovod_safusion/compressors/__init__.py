@@ -1,5 +1,6 @@
 """Compressor registry: ``compressor=`` takes one of these names or a Compressor instance."""
-from .base import COMPRESSORS, Compressor, available_compressors, check_density, make_compressor, register_compressor
+from .base import (COMPRESSORS, Compressor, available_compressors, check_density, make_compressor, register_compressor,
+                   sparsify)
 from .dgc import DGC
 from .exdyna import ExDyna
 from .gaussiank import GaussianK
@@ -12,4 +13,4 @@ from .topk import TopK
 
 __all__ = ["COMPRESSORS", "Compressor", "DGC", "ExDyna", "GaussianK", "NoneCompressor", "RandomK", "RedSync",
            "SIDCo", "ThresholdCompressor", "TopK", "available_compressors", "check_density", "make_compressor",
-           "register_compressor"]
+           "register_compressor", "sparsify"]

@@ -91,3 +91,19 @@ def make_compressor(spec: "str | Compressor", density: float | None) -> Compress
         return spec
     cls = COMPRESSORS.get(spec)
     return cls() if density is None else cls(density=density)
+
+
+def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments,
+             step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Select from ``flat`` and leave the unselected rest in it (it becomes the residual):
+    SAFusion §3.1 Step 1, on the host path.
+
+    Returns ``(values, indices)``; ``indices`` is ``None`` when everything is sent, and then
+    ``values`` is ``flat`` itself.
+    """
+    indices = None if compressor.dense else compressor.select(flat, segments, step)
+    if indices is None:
+        return flat, None
+    values = flat[indices]
+    flat.index_fill_(0, indices, 0)
+    return values, indices

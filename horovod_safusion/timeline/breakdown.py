@@ -30,13 +30,14 @@ from typing import Sequence
 
 import numpy as np
 
+from ..observer import COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, WAIT
 from . import recorder as R
 from .trace import load_events
 
 PARTS = ("forward", "backward", "compress", "copy in", "submit", "NOCT", "decompress", "copy out", "step",
          "other")
-_EVENT_PARTS = {R.COMPRESS: "compress", R.MEMCPY_IN: "copy in", R.SUBMIT: "submit", R.WAIT: "NOCT",
-                R.DECOMPRESS: "decompress", R.MEMCPY_OUT: "copy out", R.OPTIMIZER_STEP: "step",
+_EVENT_PARTS = {COMPRESS: "compress", MEMCPY_IN: "copy in", SUBMIT: "submit", WAIT: "NOCT",
+                DECOMPRESS: "decompress", MEMCPY_OUT: "copy out", R.OPTIMIZER_STEP: "step",
                 R.FORWARD: "forward"}
 
 
@@ -87,7 +88,7 @@ def iterations_of_rank(events: list[dict], skip: int = 1) -> list[dict]:
             name, dur = e["name"], float(e["dur"])
             if name in _EVENT_PARTS:
                 sums[_EVENT_PARTS[name]] += dur
-            elif name == R.GRADIENT_READY:
+            elif name == GRADIENT_READY:
                 hooks += dur
             elif name == R.BACKWARD:
                 backward += dur

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..clock import Clock
+from ..observer import GRADIENT_READY, SUBMIT, SYNCHRONIZE, WAIT, Observer
 from .trace import START_KEY
 
 PID_BASE = 1_000_000  # far above Horovod's per-tensor pids (1, 2, ...)
@@ -44,11 +45,8 @@ RANK_KEY = "safusion_rank"
 ITERATIONS, MAIN, HOOKS, COLLECTIVES = 0, 1, 2, 100  # rows (tid); buffer i's collective on 100 + i
 ROW_NAMES = {ITERATIONS: "iterations", MAIN: "main", HOOKS: "gradient hooks"}
 
+# The rows' own events, besides the controller's phases (:mod:`horovod_safusion.observer`):
 ITERATION, FORWARD, BACKWARD, OPTIMIZER_STEP = "ITERATION", "FORWARD", "BACKWARD", "OPTIMIZER_STEP"
-GRADIENT_READY, MEMCPY_IN, COMPRESS, SUBMIT = ("GRADIENT_READY", "MEMCPY_IN_FUSION_BUFFER", "COMPRESS",
-                                               "SUBMIT")
-SYNCHRONIZE, WAIT, DECOMPRESS, MEMCPY_OUT = ("SYNCHRONIZE", "WAIT_FOR_COLLECTIVE", "DECOMPRESS",
-                                             "MEMCPY_OUT_FUSION_BUFFER")
 COLLECTIVE = "COLLECTIVE"
 ENV = "HOROVOD_SAFUSION_TIMELINE"
 
@@ -61,8 +59,9 @@ def rank_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-class TimelineRecorder:
-    """Records one rank's plugin phases; the controller and optimizer call it when it is on.
+class TimelineRecorder(Observer):
+    """Records one rank's plugin phases: an :class:`~horovod_safusion.observer.Observer` of the
+    controller; the optimizer ends its steps.
 
     Args:
         path: output file; ``{rank}`` in it is replaced by the rank, otherwise ``.rankR`` is put
@@ -97,9 +96,11 @@ class TimelineRecorder:
         self._row = HOOKS
         self._prev_end: Any = None
         self._first_ready: Any = None
-        self._sync: tuple = ()           # (start mark, planner, profiling?, step) of synchronize()
+        self._sync: tuple = ()           # (planner, profiling?, step) of synchronize()
+        self._sync_start: Any = None
         self._sync_end: Any = None
         self._submitted: dict[int, Any] = {}
+        self._paused = False
         self._file = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class TimelineRecorder:
         """Start recording for ``controller``'s rank; called by the optimizer."""
         self.controller = controller
         self.rank = rank
-        self.clock = Clock(controller.buffers[0].device)
+        self.clock = Clock(controller.device)
         self.mark = self.clock.mark  # now, as a clock mark; bound once: taken hundreds of times a step
         self.path = rank_path(self.path_template, rank)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -124,6 +125,7 @@ class TimelineRecorder:
         self._file.flush()
         self._named_rows = set(ROW_NAMES)
         atexit.register(self.close)
+        controller.observe(self)
         return self
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -146,54 +148,50 @@ class TimelineRecorder:
         """Stop recording between steps (the controller then pays nothing); :meth:`resume` goes on.
 
         The step after ``resume()`` gets no ``ITERATION``, like the first step."""
-        self.controller.timeline = None
+        self.controller.unobserve(self)
+        self._paused = True
         self._events, self._first_ready, self._sync, self._prev_end, self._forward_end = [], None, (), None, None
+        self._sync_start = None
 
     def resume(self) -> None:
-        self.controller.timeline = self
+        self.controller.observe(self)
+        self._paused = False
 
-    # ---- called by the controller --------------------------------------------------------------
-    def span(self, name: str, start: Any, **args: Any) -> Any:
-        """Record ``name`` from ``start`` until now on the current row; returns now's mark."""
-        end = self.mark()
-        self._events.append((name, self._row, start, end, args or None))
-        return end
+    # ---- called by the controller (Observer) ----------------------------------------------------
+    def record(self, phase: str, start: Any, end: Any, args: dict | None) -> None:
+        """One phase: gradient hooks on their row (the first one's start is where backward's
+        gradients begin), everything else on the current row (the hooks', or ``main`` inside
+        ``synchronize()``); a collective's row spans submission to the end of its wait."""
+        if phase == GRADIENT_READY:
+            if self._first_ready is None:
+                self._first_ready = start
+            self._events.append((phase, HOOKS, start, end, args))
+            return
+        self._events.append((phase, self._row, start, end, args))
+        if phase == SUBMIT:
+            self._submitted[args["buffer"]] = start
+        elif phase == WAIT:
+            buffer = args["buffer"]
+            self._events.append((COLLECTIVE, COLLECTIVES + buffer, self._submitted.pop(buffer, start), end,
+                                 {"buffer": buffer}))
+        elif phase == SYNCHRONIZE:
+            self._sync_start, self._sync_end, self._row = start, end, HOOKS
 
-    def gradient_ready(self, tensor: str, start: Any) -> None:
-        """The hook of ``tensor`` ran from ``start`` (just after back-propagation produced it) until now."""
-        if self._first_ready is None:
-            self._first_ready = start
-        self._events.append((GRADIENT_READY, HOOKS, start, self.mark(), {"tensor": tensor}))
-
-    def submitted(self, buffer: int, start: Any) -> None:
-        """Buffer ``buffer``'s collective was handed to Horovod from ``start`` until now."""
-        self._submitted[buffer] = start
-        self.span(SUBMIT, start, buffer=buffer)
-
-    def collected(self, buffer: int, start: Any) -> Any:
-        """``synchronize()`` waited from ``start`` until now for buffer ``buffer``'s result."""
-        end = self.span(WAIT, start, buffer=buffer)
-        self._events.append((COLLECTIVE, COLLECTIVES + buffer, self._submitted.pop(buffer, start), end,
-                             {"buffer": buffer}))
-        return end
-
-    def synchronize_begins(self) -> None:
-        c = self.controller
-        self._sync = (self.mark(), c.plan.planner, c.recorder is not None, c.steps)
+    def synchronize_begins(self, step: int, planner: str, profiled: bool) -> None:
+        self._sync = (planner, profiled, step)
         self._row = MAIN
-
-    def synchronize_ends(self) -> None:
-        self._sync_end = self.span(SYNCHRONIZE, self._sync[0])
-        self._row = HOOKS
 
     # ---- called by the optimizer at the end of step() -------------------------------------------
     def step_ends(self) -> None:
+        """The optimizer's ``step()`` ended: close the iteration and convert (or queue) its events."""
+        if self._paused:
+            return
         end = self.mark()
-        if self._prev_end is not None and self._sync:
+        if self._prev_end is not None and self._sync and self._sync_start is not None:
             self._close_iteration(end)
         self._steps.append((self._anchor, self._events))
         self._anchor = self.clock.anchor() if self.clock.cuda else self._anchor
-        self._events, self._first_ready, self._sync, self._prev_end = [], None, (), end
+        self._events, self._first_ready, self._sync, self._sync_start, self._prev_end = [], None, (), None, end
         self._forward_end = None
         # On GPU, convert the step before this one: its events completed long ago.
         while len(self._steps) > (1 if self.clock.cuda else 0):
@@ -202,7 +200,8 @@ class TimelineRecorder:
             self.flush()
 
     def _close_iteration(self, end: Any) -> None:
-        sync_start, planner, profiling, step = self._sync
+        planner, profiling, step = self._sync
+        sync_start = self._sync_start
         ev = self._events
         if not self._watching:
             ev.append((FORWARD, MAIN, self._prev_end, self._first_ready or sync_start, None))

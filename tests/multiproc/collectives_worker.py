@@ -27,7 +27,7 @@ from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
 from horovod_safusion.communicators import SparDL, Zen  # noqa: E402
-from horovod_safusion.generator import NaivePlanner  # noqa: E402
+from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 
 DATA = None
 COMMS = ["spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide"]

@@ -32,7 +32,7 @@ from torch import nn
 import horovod.torch as hvd
 
 import horovod_safusion as saf
-from horovod_safusion.generator import NaivePlanner
+from horovod_safusion.fusion import NaivePlanner
 
 COMPRESSORS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk", "exdyna")
 COMMUNICATORS = ("allgather", "allreduce", "spardl", "zen")

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.generator import NaivePlanner  # noqa: E402
+from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 
 DATA = None
 
@@ -437,7 +437,7 @@ def scenario_generator_alignment():
         planners.append(opt.plan.planner)
     digests = hvd.allgather_object(opt.plan.digest(), name="gen.digest")
     profiles = hvd.allgather_object(json.dumps(opt.profile.to_dict(), sort_keys=True), name="gen.profile")
-    local = opt._generator.local
+    local = opt._profiler.local
 
     # density 1 through a plan switch: identical to Horovod's dense optimizer at every step
     ref_m, our_m = make(), make()

@@ -1,5 +1,5 @@
 """Synthetic profiles with linear costs, for the generator's worked examples and property tests."""
-from horovod_safusion.generator import CostCurve, Profile, TensorInfo
+from horovod_safusion.fusion import CostCurve, Profile, TensorInfo
 
 
 def synthetic_profile(sizes, ready, cp=(0.0, 0.0), cm=(0.0, 1e-9), segment_cost=0.0,

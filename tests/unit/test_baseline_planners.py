@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from horovod_safusion.generator import (CostCurve, CupcakePlanner, OMGSPlanner, Profile, TensorInfo,
+from horovod_safusion.fusion import (CostCurve, CupcakePlanner, OMGSPlanner, Profile, TensorInfo,
                                         available_planners, make_planner, simulate)
-from horovod_safusion.generator.cupcake import _Timeline
+from horovod_safusion.fusion.cupcake import _Timeline
 from horovod_safusion.plan import FusionPlan
 from synthetic import synthetic_profile
 

@@ -116,7 +116,10 @@ def test_redistribution_keeps_every_residual_and_the_total(old, new, seed):
     for name in ("w", "b"):
         before = sum((residuals[j][name].double() for j in range(old)), torch.zeros(1, dtype=torch.float64))
         after = sum((m[name].double() for m in moved if name in m), torch.zeros(1, dtype=torch.float64))
-        assert torch.allclose(before, after, atol=1e-12)
+        # merged residuals are added in float32: each addition rounds by at most half an ulp of
+        # the partial sum, which is bounded by the sum of magnitudes
+        magnitude = sum(residuals[j][name].double().abs() for j in range(old))
+        assert torch.all((before - after).abs() <= old * torch.finfo(torch.float32).eps * magnitude)
     if new >= old:  # each old residual lands unchanged on one rank: the total is the same bits
         for j in range(old):
             assert torch.equal(moved[j]["w"], residuals[j]["w"])

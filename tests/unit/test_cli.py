@@ -4,7 +4,7 @@ import json
 import pytest
 
 from horovod_safusion.__main__ import main
-from horovod_safusion.generator import Profile
+from horovod_safusion.fusion import Profile
 
 
 def test_list_names_every_registry(capsys):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import horovod_safusion as saf
-from horovod_safusion.generator import CostCurve, Profile, SAFusionPlanner, simulate
-from horovod_safusion.generator.choice import SCHEDULE, TRIAL_STEPS, DenseTrial, start
+from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
+from horovod_safusion.trial import SCHEDULE, TRIAL_STEPS, DenseTrial, start
 from horovod_safusion.plan import FusionPlan
 from digits import DigitsCNN, load_digits_split
 from synthetic import synthetic_profile

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import horovod_safusion as saf
 from horovod_safusion.compressors import available_compressors
-from horovod_safusion.generator import NaivePlanner
+from horovod_safusion.fusion import NaivePlanner
 from digits import DigitsCNN, load_digits_split
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod_safusion as saf
-from horovod_safusion.generator import NaivePlanner
+from horovod_safusion.fusion import NaivePlanner
 from digits import DigitsCNN, load_digits_split
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_safusion as saf
-from horovod_safusion.generator import FusionDegreePlanner, TensorInfo, make_planner
+from horovod_safusion.fusion import FusionDegreePlanner, TensorInfo, make_planner
 
 
 def infos(n):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from horovod_safusion.generator import (CostCurve, InterPlanner, NaivePlanner, Profile, SAFusionPlanner,
+from horovod_safusion.fusion import (CostCurve, InterPlanner, NaivePlanner, Profile, SAFusionPlanner,
                                         TensorInfo, simulate)
 from horovod_safusion.plan import FusionPlan
 from synthetic import synthetic_profile

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from horovod_safusion.generator import GroupsPlanner, NaivePlanner, TensorInfo, make_planner
+from horovod_safusion.fusion import GroupsPlanner, NaivePlanner, TensorInfo, make_planner
 from horovod_safusion.plan import FusionPlan, split_by_capacity
 
 

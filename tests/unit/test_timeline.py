@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import horovod_safusion as saf
 from horovod_safusion.__main__ import main
-from horovod_safusion.generator import NaivePlanner
+from horovod_safusion.fusion import NaivePlanner
 from horovod_safusion.timeline import TimelineRecorder, TraceError, load_events
 from horovod_safusion.timeline.breakdown import PARTS, breakdown
 from horovod_safusion.timeline.merge import merge
@@ -46,7 +46,7 @@ def train(tmp_path, timeline, steps=STEPS, model=None, **kw):
 def test_off_by_default_and_on_by_environment_variable(hvd, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     opt, _ = train(tmp_path, None, steps=1)
-    assert opt.timeline is None and opt._controller.timeline is None
+    assert opt.timeline is None and opt._controller.observer is None
 
     monkeypatch.setenv(ENV, str(tmp_path / "env.json"))
     opt, _ = train(tmp_path, None, steps=3)

@@ -14,15 +14,16 @@ element (Observation #1, Figure 3). The baselines are points on that axis:
   Tensor Fusion (``HOROVOD_FUSION_THRESHOLD``), no compressor — the reference every speed-up is
   measured against.
 
-The profiled baselines ``omgs`` and ``cupcake`` live in their own modules. All use the same
+:class:`FusionDegreePlanner` is that axis; ``wfbp``, ``oktopk`` and ``horovod`` are its named points,
+each in the module of its name; the profiled baselines ``omgs`` and ``cupcake`` too. All use the same
 compressors and error feedback as SAFusion, so a comparison isolates the fusion scheme.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import ORDERS, FusionPlan, split_at_group_changes
-from .base import Planner, TensorInfo, register_planner
+from ..plan import ORDERS, FusionPlan, TensorInfo, split_at_group_changes
+from .planner import Planner
 
 
 class FusionDegreePlanner(Planner):
@@ -50,42 +51,3 @@ class FusionDegreePlanner(Planner):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(degree={self.degree}, order={self.order!r})"
-
-
-@register_planner("wfbp")
-class WFBPPlanner(FusionDegreePlanner):
-    """One buffer per tensor: layer-wise communication, wait-free back-propagation."""
-
-    def __init__(self) -> None:
-        super().__init__(0.0, "behind")
-
-    def __repr__(self) -> str:
-        return "WFBPPlanner()"
-
-
-@register_planner("oktopk")
-class OkTopkPlanner(FusionDegreePlanner):
-    """Every tensor in one buffer, selected once over the whole flattened gradient."""
-
-    def __init__(self) -> None:
-        super().__init__(1.0, "behind")
-
-    def __repr__(self) -> str:
-        return "OkTopkPlanner()"
-
-
-@register_planner("horovod")
-class HorovodPlanner(FusionDegreePlanner):
-    """Horovod's dense allreduce: one collective per tensor, fused by Horovod itself.
-
-    ``dense = True``: the optimizer then uses the ``none`` compressor and the ``allreduce``
-    communicator, and rejects a sparsifying compressor.
-    """
-
-    dense = True
-
-    def __init__(self) -> None:
-        super().__init__(0.0, "behind")
-
-    def __repr__(self) -> str:
-        return "HorovodPlanner()"

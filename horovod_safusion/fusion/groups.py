@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import FusionPlan
-from .base import Planner, TensorInfo
+from ..plan import FusionPlan, TensorInfo
+from .planner import Planner
 
 
 class GroupsPlanner(Planner):

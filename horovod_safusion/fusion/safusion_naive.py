@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import ORDERS, FusionPlan, split_at_group_changes, split_by_capacity
-from .base import Planner, TensorInfo, register_planner
+from ..plan import ORDERS, FusionPlan, TensorInfo, split_at_group_changes, split_by_capacity
+from .planner import Planner, register_planner
 
 DEFAULT_CAPACITY_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import FusionPlan
-from .base import Planner, TensorInfo, register_planner
+from ..plan import FusionPlan, TensorInfo
+from .planner import Planner, register_planner
 from .profile import Profile
 from .simulator import simulate
 

@@ -5,7 +5,7 @@ sparsifies: SAFusion §5 evaluates slow links, where sparsification pays; on a f
 allreduce overlapped with back-propagation can be faster, and a user must never lose to it.
 
 The planner predicts the iteration time of its best sparse plan and of its best dense-allreduce
-plan from the profile (:class:`~horovod_safusion.generator.adaptive.SAFusionPlanner`, "Dense
+plan from the profile (:class:`~horovod_safusion.fusion.SAFusionPlanner`, "Dense
 choice") and returns the faster. A prediction leaves out what the profile cannot see — the
 decoding's memory traffic, the threads competing for the cores, Horovod's negotiation — so when
 the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
-from ..plan import FusionPlan
+from .plan import FusionPlan
 
 #: Try both plans when the slower prediction is at most this factor above the faster one.
 TRIAL_MARGIN = 1.5

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .base import TensorInfo
+from ..plan import TensorInfo
 from .costs import CostCurve
 
 

@@ -62,8 +62,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..plan import FusionPlan
-from .base import Planner, TensorInfo, register_planner
+from ..plan import FusionPlan, TensorInfo
+from .planner import Planner, register_planner
 from .profile import Profile
 
 

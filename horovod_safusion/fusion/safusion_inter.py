@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..plan import FusionPlan, split_at_group_changes
-from .base import Planner, TensorInfo, register_planner
+from ..plan import FusionPlan, TensorInfo, split_at_group_changes
+from .planner import Planner, register_planner
 
 
 @register_planner("safusion-inter")

@@ -1,35 +1,18 @@
 """Planner interface and registry: ``fusion=`` names a planner that emits a :class:`FusionPlan`.
 
 SAFusion §4 "Generator module" (Figure 12): the generator takes the gradient tensors in
-back-propagation order and groups them into fusion buffers. Planners see only :class:`TensorInfo`
+back-propagation order and groups them into fusion buffers. Planners see only :class:`~horovod_safusion.plan.TensorInfo`
 records (name, size, element size, dtype/device group), never the model, so plans are data that
 can be made offline, saved, compared and checked across ranks.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
-from ..plan import FusionPlan
+from ..plan import FusionPlan, TensorInfo
 from ..registry import Registry
-
-if TYPE_CHECKING:
-    from .profile import Profile
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What a planner knows about one gradient tensor."""
-
-    name: str
-    numel: int
-    element_size: int
-    group: str  # dtype and device: one fusion buffer is one flat tensor, so never mix groups
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
+from .profile import Profile
 
 
 class Planner(ABC):
@@ -46,7 +29,7 @@ class Planner(ABC):
     dense: ClassVar[bool] = False
 
     @abstractmethod
-    def plan(self, tensors: Sequence[TensorInfo], profile: "Profile | None" = None) -> FusionPlan:
+    def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:
         """Return a plan holding every tensor exactly once, in the given order.
 
         ``profile`` (same on every rank) is given to planners that need one; its tensor order is

@@ -1,6 +1,6 @@
 """``safusion``: aligned inter-worker fusion with adaptive intra-worker buffer sizing (SAFusion §3.3).
 
-Planned from a :class:`~horovod_safusion.generator.profile.Profile` that every rank shares, so the
+Planned from a :class:`~horovod_safusion.fusion.profile.Profile` that every rank shares, so the
 plan is the same on every worker — the alignment of §3.2 holds by construction (§3.4: the two are
 orthogonal). Over the tensors in measured back-propagation order:
 
@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import FusionPlan, split_at_group_changes
-from .base import Planner, TensorInfo, register_planner
-from .inter import InterPlanner
+from ..plan import FusionPlan, TensorInfo, split_at_group_changes
+from .planner import Planner, register_planner
+from .safusion_inter import InterPlanner
 from .profile import Profile
 from .simulator import simulate
 

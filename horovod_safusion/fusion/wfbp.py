@@ -1,0 +1,17 @@
+"""``fusion="wfbp"``: wait-free back-propagation, one buffer per tensor (fusion degree 0 %,
+SAFusion §2.4); each buffer is sent as soon as its gradient is ready."""
+from __future__ import annotations
+
+from .degree import FusionDegreePlanner
+from .planner import register_planner
+
+
+@register_planner("wfbp")
+class WFBPPlanner(FusionDegreePlanner):
+    """One buffer per tensor: layer-wise communication, wait-free back-propagation."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, "behind")
+
+    def __repr__(self) -> str:
+        return "WFBPPlanner()"

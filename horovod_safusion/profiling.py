@@ -1,0 +1,236 @@
+"""Online profiling and re-planning: the generator's loop of SAFusion §4 (Figure 12).
+
+The optimizer starts on a provisional plan (one buffer per tensor). After ``warmup_steps`` it
+profiles ``profile_steps`` iterations: a :class:`ProfiledStep` watches the controller
+(:mod:`horovod_safusion.observer`) and records when each gradient arrived and how long the plugin
+worked in its hook (copy into the buffer, compression), so back-propagation's own pace can be
+separated from the plugin's. Profiled steps run as any other: their collectives overlap
+back-propagation as usual. At the end of the last profiled step, on every rank at the same
+point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
+size, locally, on a copy of the compressor) and the active communicator (one collective of each
+message size, all ranks in lockstep). The communicator is timed by a sweep, not inside the
+training step: Horovod reports no completion time for an asynchronous collective, and waiting for
+one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
+only). Measurements are reduced across ranks — back-propagation and compression times by the
+element-wise maximum (the slowest rank sets the pace), collective times by the minimum (the last
+rank to arrive sees the collective's own duration, the others also their wait for it), message
+sizes by the maximum — so every rank builds the same :class:`~horovod_safusion.fusion.Profile`
+and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing
+is lost across the switch. ``replan_every=R`` re-profiles (on the current plan) every R steps.
+
+Timestamps come from :class:`~horovod_safusion.clock.Clock`: ``time.perf_counter`` on CPU, CUDA
+events on GPU (resolved at the end of the step, so hooks never wait for the device to measure
+time).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from . import sweeps, trial
+from .clock import Clock
+from .controller import Controller
+from .fusion import CostCurve, Planner, Profile
+from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SYNCHRONIZE, Observer
+from .plan import FusionPlan, TensorInfo
+
+
+class ProfiledStep(Observer):
+    """The marks of one profiled step: each gradient hook's start and end, the decoding and
+    write-back of each buffer, and the end of ``synchronize()``."""
+
+    profiles = True
+
+    def __init__(self, clock: Clock, previous_end: Any) -> None:
+        self.clock, self.mark = clock, clock.mark
+        self.previous_end = previous_end
+        self.hooks: list[tuple[str, Any, Any]] = []        # (tensor, hook start, hook end)
+        self.aggregations: list[tuple[Any, Any]] = []      # decoding and write-back spans, per buffer
+        self.sync_end: Any = None
+
+    def record(self, phase: str, start: Any, end: Any, args: dict | None) -> None:
+        if phase == GRADIENT_READY:
+            self.hooks.append((args["tensor"], start, end))
+        elif phase == DECOMPRESS or phase == MEMCPY_OUT:
+            self.aggregations.append((start, end))
+        elif phase == SYNCHRONIZE:
+            self.sync_end = end
+
+    def resolve(self, step_end: Any) -> dict:
+        """Seconds: pure ready offsets per tensor, prefix and suffix."""
+        sec = self.clock.seconds
+        ready, busy = {}, 0.0
+        first = self.hooks[0][1] if self.hooks else self.sync_end
+        for name, enter, leave in self.hooks:
+            ready[name] = sec(first, enter) - busy
+            busy += sec(enter, leave)
+        # After the last collective: decoding and write-back of every buffer, then the optimizer's
+        # own step. Waiting for collectives is communication, which the simulator models itself.
+        suffix = sum(sec(a, b) for a, b in self.aggregations) + sec(self.sync_end, step_end)
+        return {"ready": ready, "prefix": sec(self.previous_end, first), "suffix": suffix}
+
+
+class OnlineProfiler:
+    """Drives provisional plan → profile → plan for planners that need a profile.
+
+    Args:
+        planner: the planner to switch to (``needs_profile`` planners profile first).
+        tensors: the job's gradient tensors (registration-reversed order; the profile measures
+            the real back-propagation order).
+        dtypes: each tensor's dtype (for the bytes a selected element takes on the wire).
+        process_set: the ranks that profile and switch together.
+        profile_steps: K, iterations measured per profile. More average out noise.
+        warmup_steps: iterations skipped before profiling (caches, allocator, Horovod's warm-up).
+        replan_every: re-profile and re-plan every this many steps; ``None`` plans once.
+    """
+
+    def __init__(self, planner: Planner, tensors: Sequence[TensorInfo], dtypes: dict[str, torch.dtype],
+                 process_set: Any, profile_steps: int = 10, warmup_steps: int = 1,
+                 replan_every: int | None = None) -> None:
+        if profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {profile_steps!r}")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (the first step has no previous step end), "
+                             f"got {warmup_steps!r}")
+        if replan_every is not None and replan_every <= profile_steps:
+            raise ValueError(f"replan_every must be larger than profile_steps={profile_steps}, "
+                             f"got {replan_every!r}")
+        self.planner = planner
+        self.tensors, self.dtypes, self.process_set = list(tensors), dict(dtypes), process_set
+        self.profile_steps = profile_steps
+        self.warmup_steps = warmup_steps
+        self.replan_every = replan_every
+        self.profile: Profile | None = getattr(planner, "profile", None)
+        self.steps = 0
+        self._record_from = warmup_steps
+        self._samples: list[dict] = []
+        self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
+        self.trial: trial.DenseTrial | None = None  # sparse against dense, measured
+        self._last_end: Any = None
+        self._watching: ProfiledStep | None = None  # the step being profiled
+
+    @property
+    def active(self) -> bool:
+        """Whether this profiler still has profiling to do (otherwise the optimizer can drop it)."""
+        return self.planner.needs_profile and (self.profile is None or self.replan_every is not None
+                                               or (self.trial is not None and not self.trial.done))
+
+    def initial_plan(self) -> FusionPlan:
+        """The planner's plan if it needs no measurements, else one buffer per tensor."""
+        if not self.planner.needs_profile:
+            return self.planner.plan(self.tensors)
+        if self.profile is not None:
+            return self.planner.plan(self.tensors, self.profile)
+        return FusionPlan([[t.name] for t in self.tensors], order=self.planner.order, planner="provisional")
+
+    def restart(self) -> None:
+        """Profile again from the next step on (after ``warmup_steps``), on the current plan: after
+        a change of world size, whose costs differ. Every rank must restart at the same step."""
+        if not self.planner.needs_profile:
+            return
+        self.profile, self._samples = None, []
+        self._record_from = self.steps + self.warmup_steps
+
+    def state_dict(self) -> dict:
+        """Where the loop stands: steps, the next profiled step and the profile (JSON). Timings of a
+        profile under way are not kept: a resumed job measures that profile again."""
+        return {"steps": self.steps, "record_from": self._record_from,
+                "profile": None if self.profile is None else json.dumps(self.profile.to_dict()),
+                "trial": None if self.trial is None else json.dumps(self.trial.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.profile = None if state["profile"] is None else Profile.from_dict(json.loads(state["profile"]))
+        saved = state.get("trial")
+        self.trial = None if saved is None else trial.DenseTrial.from_state(json.loads(saved))
+        self._samples = []
+        record_from = state["record_from"]
+        # a profile under way starts again at the next step
+        self._record_from = None if record_from is None else max(int(record_from), self.steps)
+
+    def drop_step(self, controller: Controller) -> None:
+        """Forget the step being profiled, if any (a step abandoned, a state loaded)."""
+        if self._watching is not None:
+            controller.unobserve(self._watching)
+            self._watching = None
+
+    # ---- called by the optimizer at the end of every step() ------------------------------------
+    def step_ends(self, controller: Controller) -> None:
+        """Take the profiled step's marks; run the dense trial; after the last profiled step,
+        build the profile and switch every rank to the planner's plan; watch the next step if it
+        is to be profiled."""
+        clock = Clock(controller.device)
+        now = clock.mark()
+        if self._watching is not None:
+            self._samples.append(self._watching.resolve(now))
+            self.drop_step(controller)
+        self.steps += 1
+        # (not after a resume, and not while the density warms up: those steps do not time the plan)
+        if self.trial is not None and not self.trial.done and self._last_end is not None \
+                and not controller.warming_up:
+            switch = self.trial.step_ends(clock.seconds(self._last_end, now), self.process_set)
+            if switch is not None:
+                controller.switch_plan(switch)
+        self._last_end = now
+        if len(self._samples) == self.profile_steps:
+            self.profile = self.build_profile(controller)
+            plan = self.planner.plan(self.tensors, self.profile)
+            controller.switch_plan(plan)
+            self.trial = trial.start(plan)
+            self._samples = []
+            self._record_from = self.steps + self.replan_every - self.profile_steps if self.replan_every else None
+        if self._record_from is not None and self.steps >= self._record_from:
+            self._watching = ProfiledStep(clock, now)
+            controller.observe(self._watching)
+
+    # ---- measurements → profile ----------------------------------------------------------------
+    def build_profile(self, controller: Controller) -> Profile:
+        """Reduce the recorded steps and the sweeps across ranks into one shared profile."""
+        tensors, process_set = self.tensors, self.process_set
+        names = [t.name for t in tensors]
+        s = self._samples
+        ready = [float(np.median([x["ready"].get(n, np.nan) for x in s])) for n in names]
+        ready = [0.0 if np.isnan(r) else r for r in ready]
+        prefix = float(np.median([x["prefix"] for x in s]))
+        suffix = float(np.median([x["suffix"] for x in s]))
+        dtype = self.dtypes[max(tensors, key=lambda t: t.numel).name]  # the sweeps' data
+        device = controller.device
+        comp = sweeps.planned_compressor(controller.compressor, controller.target_density)
+        comm = controller.communicator
+        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, [t.numel for t in tensors], dtype, device)
+        cm_bytes, cm_secs = sweeps.communication_sweep(comm, tensors, controller.target_density, dtype, device)
+        # one worker has no link to price: it keeps sparsifying as each worker of a job does
+        priced = (getattr(self.planner, "prices_dense", False) and not comp.dense
+                  and not comm.dense and process_set.size() > 1)
+        dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
+                                   if priced else ([], []))
+        self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
+
+        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "safusion.profile.max",
+                             process_set)
+        fastest = _allreduce(cm_secs + dense_secs, hvd.Min, "safusion.profile.min", process_set)
+        cm_secs, dense_secs = fastest[:len(cm_secs)], fastest[len(cm_secs):]
+        # what a rank sends depends on its data in some protocols (ZEN's hash partitions): the
+        # curve's sizes must be the same on every rank, or so would not be the plans
+        cm_bytes = _allreduce(cm_bytes, hvd.Max, "safusion.profile.bytes", process_set)
+        L, C = len(names), len(cp_secs)
+        ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
+
+        order = sorted(range(L), key=lambda i: (ready[i], i))
+        wire = sweeps.wire_bytes(comm.compression, {t.name: self.dtypes[t.name] for t in tensors})
+        return Profile(
+            tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
+            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=CostCurve(cm_bytes, cm_secs),
+            density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
+            workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
+            meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
+                  "profiled_plan": controller.plan.planner, "step": self.steps})
+
+
+def _allreduce(values: list[float], op: int, name: str, process_set: Any) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return hvd.allreduce(t, op=op, name=name, process_set=process_set).tolist()

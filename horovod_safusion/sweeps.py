@@ -1,0 +1,138 @@
+"""The profile's sweeps: the compressor and the collectives timed over a range of sizes.
+
+SAFusion §4, "Generator module": "The generator gets the gradient communication time and
+compression time by online profiling." The profiler (:mod:`horovod_safusion.profiling`) runs these
+at the end of its last profiled step, on every rank at the same point, and turns them into the
+cost curves of a :class:`~horovod_safusion.fusion.Profile`. Each sweep is given what it times —
+a compressor, a communicator, a wire compression — and the dtype and device of the data, never
+the controller.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from .clock import Clock
+from .communicators import Communicator
+from .communicators.base import wait
+from .compressors import Compressor, sparsify
+from .plan import TensorInfo
+from .segment import Segments
+
+SWEEP_POINTS = 12
+#: The dense allreduce is timed up to this many bytes and extrapolated linearly beyond (it costs
+#: latency + bytes / bandwidth), so that pricing it on a slow link takes seconds, not minutes.
+DENSE_SWEEP_BYTES = 4 << 20
+
+
+def planned_compressor(compressor: Compressor, target_density: float) -> Compressor:
+    """The job's compressor at the density the plan is for (a copy during a density warm-up, whose
+    steps select more): plans are made for the steady state."""
+    if compressor.dense or compressor.density == target_density:
+        return compressor
+    compressor = copy.deepcopy(compressor)
+    compressor.density = target_density
+    return compressor
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    """:data:`SWEEP_POINTS` sizes spaced geometrically from ``lo`` to ``hi`` (fewer where they round alike)."""
+    return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
+
+
+def time_compression(compressor: Compressor, seg_sizes: Sequence[int], dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu", steps: int = 10) -> float:
+    """Mean seconds of one selection (with residual bookkeeping) of a buffer cut into ``seg_sizes``,
+    on a copy of ``compressor`` so that the caller's state is untouched."""
+    device = torch.device(device)
+    comp = copy.deepcopy(compressor)
+    seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), tuple(seg_sizes), device)
+    data = torch.randn(seg.numel, dtype=dtype, device=device)
+    flat = data.clone()
+    sparsify(comp, flat, seg, 0)  # warm-up
+    clock = Clock(device)
+    a = clock.mark()
+    for step in range(1, steps + 1):
+        flat.copy_(data)
+        sparsify(comp, flat, seg, step)
+    return clock.seconds(a, clock.mark()) / steps
+
+
+def compression_sweep(compressor: Compressor, numels: Sequence[int], dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> tuple[list[int], list[float], float]:
+    """Compression cost curve of ``compressor`` over the size range of ``numels``.
+
+    Returns the swept dense sizes in bytes, the seconds to compress a one-segment buffer of each,
+    and the extra seconds per additional segment (a buffer cut into 16 segments against one),
+    because the controller selects a whole buffer in one pass. The first two are a
+    :class:`~horovod_safusion.fusion.CostCurve`'s points.
+    """
+    swept = sizes(min(numels), max(numels))
+    element = torch.empty((), dtype=dtype).element_size()
+    if compressor.dense:
+        return [n * element for n in swept], [0.0] * len(swept), 0.0
+    seconds = [time_compression(compressor, (n,), dtype, device) for n in swept]
+    n = max(16, int(np.median(numels)) * 16)
+    per_segment = max(0.0, (time_compression(compressor, (n // 16,) * 16, dtype, device)
+                            - time_compression(compressor, (n // 16 * 16,), dtype, device)) / 15)
+    return [n * element for n in swept], seconds, per_segment
+
+
+def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
+                        dtype: torch.dtype, device: torch.device, reps: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
+    job's ``tensors`` send at ``density`` (a collective: every rank of its process set)."""
+    total = sum(t.numel for t in tensors)
+    dense = communicator.dense
+    most = total if dense else max(1, int(1.5 * density * total) + len(tensors))
+    clock = Clock(device)
+    nbytes, seconds = [], []
+    for j, count in enumerate(sizes(1, most)):
+        numel = count if dense or density >= 1.0 else max(count, int(count / density))
+        values = torch.randn(count, dtype=dtype, device=device)
+        indices = None if dense else torch.arange(count, device=device) * (numel // count)
+        times = []
+        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
+            a = clock.mark()
+            pending = communicator.start(f"sweep.{j}", values, indices, numel, hvd.Sum, 1.0, 1.0)
+            pending.wait()
+            if r:
+                times.append(clock.seconds(a, clock.mark()))
+        nbytes.append(float(pending.bytes_sent))
+        seconds.append(float(np.median(times)))
+    communicator.release_outputs("sweep.")
+    return nbytes, seconds
+
+
+def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
+                          device: torch.device, process_set: Any, reps: int = 2) -> tuple[list[float], list[float]]:
+    """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
+    sizes up to the model's gradient bytes or :data:`DENSE_SWEEP_BYTES`, whichever is smaller
+    (a collective): the price of sending dense, for the planner's dense choice."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = sum(t.numel for t in tensors)
+    clock = Clock(device)
+    nbytes, seconds = [], []
+    for j, count in enumerate(sizes(1024, min(total, DENSE_SWEEP_BYTES // element))):
+        dense = torch.randn(count, dtype=dtype, device=device)
+        times = []
+        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
+            a = clock.mark()
+            sent, ctx = compression.compress(dense)
+            wait(hvd.allreduce_async_(sent, name=f"safusion.sweep.dense.{j}", op=hvd.Sum, process_set=process_set))
+            compression.decompress(sent, ctx)
+            if r:
+                times.append(clock.seconds(a, clock.mark()))
+        nbytes.append(float(count * element))
+        seconds.append(float(np.median(times)))
+    return nbytes, seconds
+
+
+def wire_bytes(compression: Any, dtypes: dict[str, torch.dtype]) -> dict[str, int]:
+    """Bytes per selected element on the wire: the (possibly fp16-compressed) value + int32 index."""
+    return {name: compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
+            for name, dtype in dtypes.items()}
