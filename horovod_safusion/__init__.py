@@ -8,10 +8,10 @@ Swap one line of a Horovod script::
 from .communicators import Communicator, available_communicators, register_communicator
 from .compressors import Compressor, available_compressors, register_compressor
 from .controller import StepStats
-from .fusion import Planner, TensorInfo, available_planners, register_planner
+from .fusion import Planner, available_planners, register_planner
 from .optimizer import DistributedOptimizer, SAFusionOptimizer
 from . import elastic
-from .plan import FusionPlan
+from .plan import FusionPlan, TensorInfo
 from .timeline import TimelineRecorder
 
 elastic.register()  # hvd.elastic.TorchState handles this package's optimizers

@@ -41,7 +41,7 @@ def load_model(spec: str):
 
 
 def profile_model(args: argparse.Namespace):
-    """Profile a model in this process (a one-worker Horovod job) with the online generator."""
+    """Profile a model in this process (a one-worker Horovod job) with the online profiler."""
     import torch
     import horovod.torch as hvd
     from tqdm import tqdm

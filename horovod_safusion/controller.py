@@ -1,7 +1,9 @@
 """Controller: push sparsified gradients into fusion buffers and pull aggregated ones back.
 
 SAFusion §4 "Controller module" and §3.1 Steps 1–3. The controller keeps the mapping
-tensor → fusion buffer of the current :class:`FusionPlan`. When a gradient is ready (its hook
+tensor → fusion buffer (:class:`~horovod_safusion.buffer.FusionBuffer`) of the current
+:class:`FusionPlan`, and reports its phases to whoever observes the step
+(:mod:`horovod_safusion.observer`: the online profiler, the timeline). When a gradient is ready (its hook
 fires) it is added to the parameter's error-feedback residual and copied into its segment of the
 buffer; when the buffer's *last* tensor is in, one selection runs over the buffer — per segment
 (= per tensor) for ``ahead``, over the whole buffer for ``behind`` — the unselected rest becomes

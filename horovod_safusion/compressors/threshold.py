@@ -46,9 +46,8 @@ class Workspace:
     """Scratch memory for selecting from one buffer at a time: ``|x|`` and two index buffers as
     long as the largest buffer seen (a selection is written into one while the other holds the
     previous one). Allocated afresh per call, buffers of a few megabytes came from new pages every
-    time and the page faults cost more than the selection (on ResNet-18, ``abs`` of the same buffer
-    took 4–10 ms fresh, 3.4 ms in reused memory); index pages are touched only as far as
-    selections reach."""
+    time and the page faults cost more than the selection itself; index pages are touched only as
+    far as selections reach."""
 
     def __init__(self) -> None:
         self._held: dict[object, torch.Tensor] = {}

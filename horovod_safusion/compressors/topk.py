@@ -4,11 +4,12 @@ With one segment per tensor (``ahead``) every tensor keeps ``max(1, round(densit
 which is the guarantee of SAFusion §3.1 that no tensor goes missing. On CPU all segments are
 selected in one compiled call by radix selection on the magnitudes' bits — two passes over the
 buffer whatever k and the number of segments
-(:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_top`). On the CPU we develop on,
-per-segment ``torch.topk`` took 2.0 ms for the three 147k-element tensors of ResNet-18 w16 at
-k = 147 each and 1.5 ms for their 453k-element buffer at k = 453, and NumPy's ``partition`` slowed
-down on the gradients' many exact zeros. Other devices and dtypes use ``torch.topk``, with segments
-of equal size (common: a network repeats its layer shapes) stacked into one batched call.
+(:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_top`): per-segment
+``torch.topk`` pays a call per tensor, so selecting ahead (one segment per tensor) cost more than
+selecting the same elements behind, and NumPy's ``partition`` slows down on the gradients' many
+exact zeros (``benchmarks/bench_compressors.py`` times ahead against behind). Other devices and
+dtypes use ``torch.topk``, with segments of equal size (common: a network repeats its layer
+shapes) stacked into one batched call.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ compressors and error feedback as SAFusion, so a comparison isolates the fusion 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from ..plan import ORDERS, FusionPlan, TensorInfo, split_at_group_changes
 from .planner import Planner
@@ -51,3 +51,16 @@ class FusionDegreePlanner(Planner):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(degree={self.degree}, order={self.order!r})"
+
+
+class NamedDegreePlanner(FusionDegreePlanner):
+    """A named point on the fusion-degree axis (``wfbp``, ``oktopk``, ``horovod``): its degree is a
+    class attribute, its order ``behind``, and ``fusion=name`` builds it without arguments."""
+
+    fixed_degree: ClassVar[float]
+
+    def __init__(self) -> None:
+        super().__init__(self.fixed_degree, "behind")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

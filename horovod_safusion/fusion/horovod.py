@@ -2,12 +2,12 @@
 against (SAFusion §5): one collective per tensor, merged by Horovod's Tensor Fusion."""
 from __future__ import annotations
 
-from .degree import FusionDegreePlanner
+from .degree import NamedDegreePlanner
 from .planner import register_planner
 
 
 @register_planner("horovod")
-class HorovodPlanner(FusionDegreePlanner):
+class HorovodPlanner(NamedDegreePlanner):
     """Horovod's dense allreduce: one collective per tensor, fused by Horovod itself.
 
     ``dense = True``: the optimizer then uses the ``none`` compressor and the ``allreduce``
@@ -15,9 +15,4 @@ class HorovodPlanner(FusionDegreePlanner):
     """
 
     dense = True
-
-    def __init__(self) -> None:
-        super().__init__(0.0, "behind")
-
-    def __repr__(self) -> str:
-        return "HorovodPlanner()"
+    fixed_degree = 0.0

@@ -2,16 +2,12 @@
 SAFusion §6.2 characterises Ok-Topk's global top-k over the flattened gradient."""
 from __future__ import annotations
 
-from .degree import FusionDegreePlanner
+from .degree import NamedDegreePlanner
 from .planner import register_planner
 
 
 @register_planner("oktopk")
-class OkTopkPlanner(FusionDegreePlanner):
+class OkTopkPlanner(NamedDegreePlanner):
     """Every tensor in one buffer, selected once over the whole flattened gradient."""
 
-    def __init__(self) -> None:
-        super().__init__(1.0, "behind")
-
-    def __repr__(self) -> str:
-        return "OkTopkPlanner()"
+    fixed_degree = 1.0

@@ -2,16 +2,12 @@
 SAFusion §2.4); each buffer is sent as soon as its gradient is ready."""
 from __future__ import annotations
 
-from .degree import FusionDegreePlanner
+from .degree import NamedDegreePlanner
 from .planner import register_planner
 
 
 @register_planner("wfbp")
-class WFBPPlanner(FusionDegreePlanner):
+class WFBPPlanner(NamedDegreePlanner):
     """One buffer per tensor: layer-wise communication, wait-free back-propagation."""
 
-    def __init__(self) -> None:
-        super().__init__(0.0, "behind")
-
-    def __repr__(self) -> str:
-        return "WFBPPlanner()"
+    fixed_degree = 0.0

@@ -17,8 +17,8 @@ fusion buffer. From the events of :mod:`.recorder`, per rank and ``ITERATION``:
 
 ``collective`` (not a part of the sum) is the wall time during which at least one of the
 iteration's collectives was in flight (submission → result in ``synchronize()``), i.e. overlapped
-plus non-overlapped communication. Iterations in which the online generator profiled (collectives
-waited for at once) and the first ``skip`` iterations are left out. Values are means over
+plus non-overlapped communication. Profiled iterations (the last one also runs the profile's
+sweeps and switches the plan) and the first ``skip`` iterations are left out. Values are means over
 iterations, then over ranks, in seconds.
 """
 from __future__ import annotations
