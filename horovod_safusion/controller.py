@@ -44,7 +44,7 @@ import horovod.torch as hvd
 
 from . import kernels
 from .communicators import Allreduce, Communicator, Pending
-from .communicators.base import wait
+from .communicators.base import Outgoing, Reduction, wait
 from .compressors import Compressor
 from .compressors.device import SegmentStats, on_host
 from .momentum import LocalClipping, MomentumCorrection
@@ -190,7 +190,7 @@ class Controller:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicator = communicator
-        self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.reduction = Reduction(op, prescale, postscale)
         self.sparse_as_dense = sparse_as_dense
         self.residuals = ResidualStore()
         self.loss_scale = loss_scale
@@ -357,10 +357,7 @@ class Controller:
             t = tl.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
         comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
         residual = buf.flat if indices is not None and not buf.poisoned else None
-        extra = {"residual": residual} if comm.wants_residual else {}
-        if comm.takes_rows:
-            extra["rows"] = rows
-        buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)
+        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, residual, rows), self.reduction)
         if tl:
             tl.submitted(buf.index, t)
 

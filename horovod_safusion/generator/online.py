@@ -32,7 +32,7 @@ import horovod.torch as hvd
 from ..clock import Clock
 from ..plan import FusionPlan, check_plan_across_ranks
 from ..segment import Segments
-from ..communicators.base import wait
+from ..communicators.base import Outgoing, Reduction, wait
 from . import choice
 from .base import Planner, TensorInfo
 from .costs import CostCurve
@@ -304,7 +304,7 @@ def communication_sweep(controller, tensors: Sequence[TensorInfo], process_set,
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
-            pending = comm.start(f"sweep.{j}", values, indices, numel, hvd.Sum, 1.0, 1.0)
+            pending = comm.start(Outgoing(f"sweep.{j}", values, indices, numel), Reduction(hvd.Sum))
             pending.wait()
             if r:
                 times.append(clock.seconds(a, clock.mark()))
