@@ -439,6 +439,8 @@ class Controller:
             t0 = rec.clock.mark() if rec else None
             t = tl.collected(buf.index, t) if tl else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
+            if buf.pending.feedback is not None and not buf.poisoned:  # a poisoned buffer selected nothing
+                self.compressor.feedback(buf.selection, buf.pending.feedback)
             t = tl.span(DECOMPRESS, t, buffer=buf.index) if tl else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             if hit:

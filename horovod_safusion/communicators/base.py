@@ -143,6 +143,9 @@ class Pending:
             all-reduce of every rank's accumulator at the gathered indices). The controller adds
             it into the per-parameter residuals, so error feedback loses nothing and checkpoints
             stay complete. ``None``: nothing to hand back.
+        feedback: what the job's synchronisation tells the compressor about the buffer's selection
+            (ExDyna: the job's selected count k′ = |U|); the controller passes it to
+            :meth:`~horovod_safusion.compressors.base.Compressor.feedback`. ``None``: nothing.
     """
 
     def __init__(self, collect: Callable[[], Any], decode: Callable[[Any], torch.Tensor], bytes_sent: int) -> None:
@@ -153,6 +156,7 @@ class Pending:
         self.bytes_received: int | None = None
         self.selected: int | None = None
         self.leftover: torch.Tensor | None = None
+        self.feedback: int | None = None
 
     def collect(self) -> Any:
         if self._raw is None:
@@ -167,6 +171,9 @@ class Pending:
 
 class Communicator(Stateful, ABC):
     """Synchronises fusion buffers across the ranks of a process set.
+
+    After :meth:`setup` a communicator never touches the compressor: what the compressor must
+    learn from the synchronisation goes back through :attr:`Pending.feedback`.
 
     Args:
         process_set: Horovod process set whose ranks take part.

@@ -17,7 +17,8 @@ Per fusion buffer and step:
   those positions (the residual part is removed through a negative ``leftover``). With
   exclusive partitions nothing builds up: |U| = Σ k_i.
 * **Online threshold scaling** (Alg. 5, lines 14–15): the compressor is switched to global
-  feedback and scaled with the job's k′ = |U| against the target k.
+  feedback; the job's k′ = |U| goes back to it through ``Pending.feedback``, and it scales its
+  thresholds against its target k.
 
 Statistics per buffer and step are kept in :attr:`ExDynaCommunicator.history`: the counts k_i, the actual
 density k′/n_g and the all-gather padding overhead f(t) = n · max k_i / Σ k_i (Eq. 5) — the cost a
@@ -131,7 +132,6 @@ class ExDynaCommunicator(Communicator):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg} must be a positive integer, got {v!r}")
         self.alpha, self.blk_move, self.min_blk, self.blocks_per_worker = float(alpha), blk_move, min_blk, blocks_per_worker
-        self.compressor = None
         self.partitions: dict[str, Partitions] = {}
         self.steps: dict[str, int] = {}
         self.history: deque[dict] = deque(maxlen=HISTORY)  # the last HISTORY buffer synchronisations
@@ -141,7 +141,6 @@ class ExDynaCommunicator(Communicator):
             raise ValueError(f"communicator='exdyna' selects with ExDyna's thresholds and needs "
                              f"compressor='exdyna', got {compressor!r}")
         compressor.scaled_globally()
-        self.compressor = compressor
 
     def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         ps = self.process_set
@@ -155,9 +154,6 @@ class ExDynaCommunicator(Communicator):
         if t > 0:
             parts.adjust(self.alpha, self.blk_move, self.min_blk)
         lo, hi = parts.bounds(allocation(t, me, n))
-        selection = self.compressor.last_selection if self.compressor is not None else None
-        if self.compressor is not None:
-            self.compressor.last_selection = None
         indices = out.indices_or_all()
         mine = (indices >= lo) & (indices < hi)  # Alg. 4: exclusive selection in the partition
         exclusive = indices[mine]
@@ -187,9 +183,7 @@ class ExDynaCommunicator(Communicator):
             total = sum(counts)
             self.history.append({"tag": tag, "step": t, "counts": counts, "density": total / max(1, numel),
                                  "padding": n * max(counts) / total if total else 1.0})
-            if selection is not None:
-                names, target = selection
-                self.compressor.scale(names, total, target)
+            pending.feedback = total  # k′ = |U|, for Algorithm 5 (ExDyna Alg. 1 line 14)
             pending.selected = gathered.numel()
             pending.bytes_sent = exclusive.numel() * 4 + state["sent"].numel() * state["sent"].element_size()
             # all-gather: the other workers' indices; all-reduce: a ring's 2(n-1)/n of the values
