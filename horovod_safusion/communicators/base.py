@@ -172,8 +172,11 @@ class Pending:
 class Communicator(Stateful, ABC):
     """Synchronises fusion buffers across the ranks of a process set.
 
-    After :meth:`setup` a communicator never touches the compressor: what the compressor must
-    learn from the synchronisation goes back through :attr:`Pending.feedback`.
+    State kept from step to step (partitions, tuned budgets, a scheme choice) is kept per buffer,
+    keyed by :attr:`Outgoing.tag`; a tag that comes with another ``numel`` than at its last start
+    names a buffer of a new fusion plan, whose state starts afresh (:meth:`renewed`). After
+    :meth:`setup` a communicator never touches the compressor: what the compressor must learn from
+    the synchronisation goes back through :attr:`Pending.feedback`.
 
     Args:
         process_set: Horovod process set whose ranks take part.
@@ -188,6 +191,7 @@ class Communicator(Stateful, ABC):
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.compression = compression
         self._outputs: dict[str, torch.Tensor] = {}  # decoding buffers by tag, see output()
+        self.numels: dict[str, int] = {}  # per tag, the numel of its last start, see renewed()
 
     def bind(self, process_set: Any, compression: Any) -> "Communicator":
         """Attach the optimizer's process set and wire compression (for instances made by users)."""
@@ -199,6 +203,14 @@ class Communicator(Stateful, ABC):
     def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         """Start synchronising one buffer: this rank's contribution ``out`` (read-only, see
         :class:`Outgoing` for how long it stays valid), reduced as ``reduction`` says."""
+
+    def renewed(self, out: Outgoing) -> bool:
+        """Whether ``out.tag`` starts for the first time or with another ``numel`` than at its last
+        start (a new fusion plan): the state kept under the tag must start afresh. Call it once
+        per :meth:`start`; a communicator that does carries :attr:`numels` in its ``state_fields``."""
+        renewed = self.numels.get(out.tag) != out.numel
+        self.numels[out.tag] = out.numel
+        return renewed
 
     def output(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed dense flat buffer to decode ``tag``'s result into, reused from step to step.

@@ -85,14 +85,14 @@ class SparDL(Communicator):
             R-SAG (d a power of two) or B-SAG (otherwise) between the teams.
     """
 
-    state_fields = ("h_state",)  # carried by the optimizer's state_dict()
+    state_fields = ("h_state", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1) -> None:
         super().__init__(process_set, compression)
         if not isinstance(teams, int) or teams < 1:
             raise ValueError(f"teams must be a positive integer, got {teams!r}")
         self.teams = teams
-        self.h_state: dict[str, BSAGStep] = {}  # B-SAG's h per buffer (Algorithm 2)
+        self.h_state: dict[str, BSAGStep] = {}  # B-SAG's h per buffer tag (Algorithm 2)
 
     def setup(self, compressor) -> None:
         self._check(self.process_set.size())
@@ -104,6 +104,8 @@ class SparDL(Communicator):
 
     def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         self._check(self.process_set.size())
+        if self.renewed(out):
+            self.h_state.pop(out.tag, None)
         return _SparDLRun(self, out, reduction).pending
 
 
@@ -273,10 +275,9 @@ class _SparDLRun:
 
     def _bruck_sag(self) -> None:
         """B-SAG: top-h, Bruck all-gather between teams, sum in team order, top-L (Algorithm 2 for h)."""
-        key = f"{self.tag}:{self.numel}"
-        state = self.comm.h_state.get(key)
+        state = self.comm.h_state.get(self.tag)
         if state is None:
-            state = self.comm.h_state[key] = BSAGStep(self.count, self.d, self.world)
+            state = self.comm.h_state[self.tag] = BSAGStep(self.count, self.d, self.world)
         if not self.dense:  # a dense block has nothing to bound: B-SAG's top-h would only drop
             self._keep_top(self.me, math.ceil(state.h))  # a local selection: its residual stays here
         blocks = {self.team: self._own_block(self.budget[self.me])}

@@ -55,7 +55,7 @@ class Zen(Communicator):
         seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
     """
 
-    state_fields = ("seed", "choice", "gamma_stats", "_measured")  # carried by the optimizer's state_dict()
+    state_fields = ("seed", "choice", "gamma_stats", "_measured", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
                  profile_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
@@ -83,17 +83,20 @@ class Zen(Communicator):
             self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name="saf.zen.seed",
                                              process_set=self.process_set)
 
-    def scheme_for(self, key: str) -> str:
-        """The scheme the buffer ``key`` (``"tag:numel"``, so a new plan measures anew) uses next."""
+    def scheme_for(self, tag: str) -> str:
+        """The scheme the buffer ``tag`` uses next."""
         if self.scheme != "auto":
             return self.scheme
-        return self.choice.get(key, "hc")
+        return self.choice.get(tag, "hc")
 
     def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         if self.seed is None:
             raise RuntimeError("the zen communicator has no hash seed: DistributedOptimizer calls setup(); "
                                "pass seed= when driving a Controller yourself")
-        run = (_BalancedParallelism if self.scheme_for(f"{out.tag}:{out.numel}") == "bp" else _HierarchicalCentralization)
+        if self.renewed(out):  # a new plan measures anew
+            for table in (self.choice, self.gamma_stats, self._measured):
+                table.pop(out.tag, None)
+        run = (_BalancedParallelism if self.scheme_for(out.tag) == "bp" else _HierarchicalCentralization)
         return run(self, out, reduction).pending
 
     # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
@@ -252,5 +255,5 @@ class _HierarchicalCentralization(_Run):
         self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
                                   "union": union, "stages": list(self.received)})
         result = self._finish(self.acc, None)
-        self.comm.measured(f"{self.tag}:{self.numel}", stats, 1.0 if self.me < self.pow2 else 0.0)
+        self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0)
         return result

@@ -1,6 +1,6 @@
 """The communicator contract in one process: :class:`Reduction`'s scaling, :class:`Outgoing`'s
-indices, the shared decode (equal indices add up), and ExDyna's Algorithm 5 driven through
-``Pending.feedback`` → ``Compressor.feedback`` rather than a side channel."""
+indices, the shared decode (equal indices add up), tag-keyed state, and ExDyna's Algorithm 5
+driven through ``Pending.feedback`` → ``Compressor.feedback`` rather than a side channel."""
 import pytest
 import torch
 
@@ -49,6 +49,26 @@ def test_decode_adds_equal_indices_and_scales_once(hvd):
     assert got.tolist() == [12.0, 0.0, 9.0, 0.0]
     again = comm.decode_into(out, Reduction(hvd.Sum), torch.ones(4), None)  # the reused buffer, zeroed
     assert again.tolist() == [1.0] * 4
+
+
+def test_state_is_keyed_by_tag_and_renewed_with_the_numel(hvd):
+    """ZEN's choice lives under the buffer's tag; the tag coming with another numel (a new plan)
+    measures anew."""
+    comm = Zen(process_set=hvd.global_process_set, profile_steps=1, seed=1)
+    indices = torch.tensor([1, 3])
+
+    def step(numel):
+        return comm.start(Outgoing("0", torch.ones(2), indices, numel), Reduction(hvd.Sum))
+
+    step(8).wait()
+    assert list(comm.choice) == ["0"] and comm.numels == {"0": 8}
+    pending = step(8)
+    assert list(comm.choice) == ["0"]
+    pending.wait()
+    pending = step(9)
+    assert comm.choice == {} and comm.numels == {"0": 9}
+    pending.wait()
+    assert list(comm.choice) == ["0"]
 
 
 def test_exdyna_scales_through_feedback_only(hvd):
