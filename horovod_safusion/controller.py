@@ -46,7 +46,7 @@ import horovod.torch as hvd
 
 from . import kernels
 from .buffer import FusionBuffer
-from .communicators import Allreduce, Communicator
+from .communicators import Allreduce, Communicator, Outgoing, Reduction
 from .communicators.base import wait
 from .compressors import Compressor, sparsify
 from .compressors.device import SegmentStats, on_host
@@ -124,7 +124,7 @@ class Controller:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicator = communicator
-        self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.reduction = Reduction(op, prescale, postscale)
         self.sparse_as_dense = sparse_as_dense
         self.residuals = ResidualStore()
         self.loss_scale = loss_scale
@@ -311,10 +311,7 @@ class Controller:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
         comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
         residual = buf.flat if indices is not None and not buf.poisoned else None
-        extra = {"residual": residual} if comm.wants_residual else {}
-        if comm.takes_rows:
-            extra["rows"] = rows
-        buf.pending = comm.start(buf.tag, values, indices, buf.numel, self.op, self.prescale, self.postscale, **extra)
+        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, residual, rows), self.reduction)
         if obs:
             obs.span(SUBMIT, t, buffer=buf.index)
 
@@ -396,6 +393,8 @@ class Controller:
                 hit = bool(wait(hit).item())
             t = obs.span(WAIT, t, buffer=buf.index) if obs else None
             out = buf.pending.wait()  # decoding and write-back: computation after communication
+            if buf.pending.feedback is not None and not buf.poisoned:  # a poisoned buffer selected nothing
+                self.compressor.feedback(buf.selection, buf.pending.feedback)
             t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None
             leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             if hit:

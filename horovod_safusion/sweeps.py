@@ -17,7 +17,7 @@ import torch
 import horovod.torch as hvd
 
 from .clock import Clock
-from .communicators import Communicator
+from .communicators import Communicator, Outgoing, Reduction
 from .communicators.base import wait
 from .compressors import Compressor, sparsify
 from .plan import TensorInfo
@@ -98,7 +98,7 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
-            pending = communicator.start(f"sweep.{j}", values, indices, numel, hvd.Sum, 1.0, 1.0)
+            pending = communicator.start(Outgoing(f"sweep.{j}", values, indices, numel), Reduction(hvd.Sum))
             pending.wait()
             if r:
                 times.append(clock.seconds(a, clock.mark()))

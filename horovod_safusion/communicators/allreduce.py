@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import horovod.torch as hvd
 
-from .base import Communicator, Pending, register_communicator, wait
+from .base import Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
 @register_communicator("allreduce")
@@ -19,15 +19,16 @@ class Allreduce(Communicator):
 
     dense = True
 
-    def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
-        dtype = values.dtype
-        if indices is None:
-            dense = values.contiguous()
+    def start(self, out: Outgoing, reduction: Reduction) -> Pending:
+        dtype = out.dtype
+        if out.indices is None:
+            dense = out.values.contiguous()
         else:
-            dense = self.output(tag, numel, dtype, values.device).index_copy_(0, indices, values)
+            dense = self.output(out.tag, out.numel, dtype, out.device).index_copy_(0, out.indices, out.values)
         sent, ctx = self.compression.compress(dense)
-        handle = hvd.allreduce_async_(sent, name=f"saf.ar.{tag}", op=op, prescale_factor=prescale,
-                                      postscale_factor=postscale, process_set=self.process_set)
+        handle = hvd.allreduce_async_(sent, name=f"saf.ar.{out.tag}", op=reduction.op,
+                                      prescale_factor=reduction.prescale, postscale_factor=reduction.postscale,
+                                      process_set=self.process_set)
 
         def decode(reduced: torch.Tensor) -> torch.Tensor:
             return self.compression.decompress(reduced, ctx).to(dtype)

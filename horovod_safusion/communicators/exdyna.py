@@ -17,7 +17,8 @@ Per fusion buffer and step:
   those positions (the residual part is removed through a negative ``leftover``). With
   exclusive partitions nothing builds up: |U| = Σ k_i.
 * **Online threshold scaling** (Alg. 5, lines 14–15): the compressor is switched to global
-  feedback and scaled with the job's k′ = |U| against the target k.
+  feedback; the job's k′ = |U| goes back to it through ``Pending.feedback``, and it scales its
+  thresholds against its target k.
 
 Statistics per buffer and step are kept in :attr:`ExDynaCommunicator.history`: the counts k_i, the actual
 density k′/n_g and the all-gather padding overhead f(t) = n · max k_i / Σ k_i (Eq. 5) — the cost a
@@ -35,7 +36,7 @@ import horovod.torch as hvd
 
 from .. import wire
 from ..compressors.exdyna import ExDyna
-from .base import HISTORY, Communicator, Pending, register_communicator, wait
+from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
 @dataclass
@@ -120,8 +121,6 @@ class ExDynaCommunicator(Communicator):
         blocks_per_worker: n_b / n, the granularity of the partitions (Alg. 2).
     """
 
-    wants_residual = True
-
     state_fields = ("partitions", "steps")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, alpha: float = 1.1,
@@ -133,7 +132,6 @@ class ExDynaCommunicator(Communicator):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg} must be a positive integer, got {v!r}")
         self.alpha, self.blk_move, self.min_blk, self.blocks_per_worker = float(alpha), blk_move, min_blk, blocks_per_worker
-        self.compressor = None
         self.partitions: dict[str, Partitions] = {}
         self.steps: dict[str, int] = {}
         self.history: deque[dict] = deque(maxlen=HISTORY)  # the last HISTORY buffer synchronisations
@@ -143,12 +141,11 @@ class ExDynaCommunicator(Communicator):
             raise ValueError(f"communicator='exdyna' selects with ExDyna's thresholds and needs "
                              f"compressor='exdyna', got {compressor!r}")
         compressor.scaled_globally()
-        self.compressor = compressor
 
-    def start(self, tag, values, indices, numel, op, prescale, postscale, residual=None) -> Pending:
+    def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         ps = self.process_set
         n, me = ps.size(), ps.rank()
-        device, dtype = values.device, values.dtype
+        tag, numel, residual, device, dtype = out.tag, out.numel, out.residual, out.device, out.dtype
         parts = self.partitions.get(tag)
         if parts is None or parts.numel != numel or parts.workers != n:
             parts = self.partitions[tag] = Partitions(numel, n, self.blocks_per_worker * n)
@@ -157,15 +154,10 @@ class ExDynaCommunicator(Communicator):
         if t > 0:
             parts.adjust(self.alpha, self.blk_move, self.min_blk)
         lo, hi = parts.bounds(allocation(t, me, n))
-        selection = self.compressor.last_selection if self.compressor is not None else None
-        if self.compressor is not None:
-            self.compressor.last_selection = None
-        if indices is None:
-            indices = torch.arange(numel, device=device)
+        indices = out.indices_or_all()
         mine = (indices >= lo) & (indices < hi)  # Alg. 4: exclusive selection in the partition
         exclusive = indices[mine]
         handle = hvd.allgather_async(exclusive.to(wire.INDEX_DTYPE), name=f"saf.exdyna.{tag}.idx", process_set=ps)
-        scale = postscale / (n if op == hvd.Average else 1)
         state: dict = {}
 
         def collect():
@@ -173,11 +165,9 @@ class ExDynaCommunicator(Communicator):
             # Accumulator at U: own selected values + residual (Alg. 1 line 12).
             contrib = residual[gathered].clone() if residual is not None else torch.zeros(gathered.numel(), dtype=dtype, device=device)
             selected = torch.zeros(numel, dtype=dtype, device=device)
-            selected[indices] = values
+            selected[indices] = out.values
             contrib += selected[gathered]
-            if prescale != 1.0:
-                contrib.mul_(prescale)
-            sent, ctx = self.compression.compress(contrib)
+            sent, ctx = self.compression.compress(reduction.prescaled(contrib))
             reduced = wait(hvd.allreduce_async(sent, name=f"saf.exdyna.{tag}.val", op=hvd.Sum, process_set=ps))
             # Hand back what is not sent: non-exclusive selections, minus the residual sent at U.
             selected[gathered] = -residual[gathered] if residual is not None else 0
@@ -186,27 +176,22 @@ class ExDynaCommunicator(Communicator):
 
         def decode(reduced):
             gathered = state["gathered"]
-            out = self.output(tag, numel, dtype, device)
-            out.index_add_(0, gathered, reduced)
-            if scale != 1.0:
-                out.mul_(scale)
+            result = self.decode_into(out, reduction, reduced, gathered)
             counts = torch.bincount(torch.bucketize(gathered, parts.starts(device), right=True) - 1,
                                     minlength=n).tolist()
             parts.counts = counts
             total = sum(counts)
             self.history.append({"tag": tag, "step": t, "counts": counts, "density": total / max(1, numel),
                                  "padding": n * max(counts) / total if total else 1.0})
-            if selection is not None:
-                names, target = selection
-                self.compressor.scale(names, total, target)
+            pending.feedback = total  # k′ = |U|, for Algorithm 5 (ExDyna Alg. 1 line 14)
             pending.selected = gathered.numel()
             pending.bytes_sent = exclusive.numel() * 4 + state["sent"].numel() * state["sent"].element_size()
             # all-gather: the other workers' indices; all-reduce: a ring's 2(n-1)/n of the values
             pending.bytes_received = (gathered.numel() - exclusive.numel()) * 4 + \
                 int(2 * (n - 1) / n * state["sent"].numel() * state["sent"].element_size())
             leftover = state["selected"]
-            pending.leftover = (leftover / prescale if prescale != 1.0 else leftover) if bool(leftover.any()) else None
-            return out
+            pending.leftover = reduction.unprescaled(leftover) if bool(leftover.any()) else None
+            return result
 
         pending = Pending(collect, decode, exclusive.numel() * 4)
         return pending

@@ -48,7 +48,7 @@ import math
 import torch
 import horovod.torch as hvd
 
-from .base import Communicator, Pending, register_communicator
+from .base import Communicator, Outgoing, Pending, Reduction, register_communicator
 from .p2p import Exchange, RowCodec, send_to
 
 
@@ -85,14 +85,14 @@ class SparDL(Communicator):
             R-SAG (d a power of two) or B-SAG (otherwise) between the teams.
     """
 
-    state_fields = ("h_state",)  # carried by the optimizer's state_dict()
+    state_fields = ("h_state", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1) -> None:
         super().__init__(process_set, compression)
         if not isinstance(teams, int) or teams < 1:
             raise ValueError(f"teams must be a positive integer, got {teams!r}")
         self.teams = teams
-        self.h_state: dict[str, BSAGStep] = {}  # B-SAG's h per buffer (Algorithm 2)
+        self.h_state: dict[str, BSAGStep] = {}  # B-SAG's h per buffer tag (Algorithm 2)
 
     def setup(self, compressor) -> None:
         self._check(self.process_set.size())
@@ -102,9 +102,11 @@ class SparDL(Communicator):
             raise ValueError(f"teams={self.teams} must divide the worker count {size}; "
                              f"accepted: {[d for d in range(1, size + 1) if size % d == 0]}")
 
-    def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
+    def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         self._check(self.process_set.size())
-        return _SparDLRun(self, tag, values, indices, numel, op, prescale, postscale).pending
+        if self.renewed(out):
+            self.h_state.pop(out.tag, None)
+        return _SparDLRun(self, out, reduction).pending
 
 
 class BSAGStep:
@@ -132,25 +134,23 @@ class BSAGStep:
 class _SparDLRun:
     """One buffer's SparDL synchronisation: step 1 starts here, the rest runs in ``collect``."""
 
-    def __init__(self, comm: SparDL, tag, values, indices, numel, op, prescale, postscale) -> None:
+    def __init__(self, comm: SparDL, out: Outgoing, reduction: Reduction) -> None:
         ps = comm.process_set
-        self.comm, self.ps, self.tag, self.numel = comm, ps, tag, numel
+        self.comm, self.ps, self.out, self.reduction = comm, ps, out, reduction
+        self.tag, self.numel = tag, numel = out.tag, out.numel
         self.world, rank = ps.size(), ps.rank()
         self.d = comm.teams
         self.size = self.world // self.d  # workers per team: SRS and the final all-gather run here
         self.team, self.me = divmod(rank, self.size)
         self.team_ranks = [self.team * self.size + j for j in range(self.size)]
         self.cross_ranks = [t * self.size + self.me for t in range(self.d)]  # same position, every team
-        self.dtype, self.device = values.dtype, values.device
+        self.dtype, self.device = out.dtype, out.device
         self.codec = RowCodec(self.dtype, comm.compression)
-        self.prescale = prescale
-        self.scale = postscale / (self.world if op == hvd.Average else 1)
-        self.dense = indices is None
-        if indices is None:
-            indices = torch.arange(numel, device=self.device)
+        self.dense = out.indices is None
+        indices = out.indices_or_all()
         # The held blocks, densely: accumulated values and which indices are present.
         self.acc = torch.zeros(numel, dtype=self.dtype, device=self.device)
-        self.acc[indices] = values * prescale if prescale != 1.0 else values
+        self.acc[indices] = reduction.prescaled(out.values)
         self.present = torch.zeros(numel, dtype=torch.bool, device=self.device)
         self.present[indices] = True
         self.dropped = torch.zeros(numel, dtype=self.dtype, device=self.device)
@@ -275,10 +275,9 @@ class _SparDLRun:
 
     def _bruck_sag(self) -> None:
         """B-SAG: top-h, Bruck all-gather between teams, sum in team order, top-L (Algorithm 2 for h)."""
-        key = f"{self.tag}:{self.numel}"
-        state = self.comm.h_state.get(key)
+        state = self.comm.h_state.get(self.tag)
         if state is None:
-            state = self.comm.h_state[key] = BSAGStep(self.count, self.d, self.world)
+            state = self.comm.h_state[self.tag] = BSAGStep(self.count, self.d, self.world)
         if not self.dense:  # a dense block has nothing to bound: B-SAG's top-h would only drop
             self._keep_top(self.me, math.ceil(state.h))  # a local selection: its residual stays here
         blocks = {self.team: self._own_block(self.budget[self.me])}
@@ -320,12 +319,9 @@ class _SparDLRun:
     # ---- decode -------------------------------------------------------------------------------
     def _decode(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         values, indices = self.codec.decode(torch.cat(blocks))
-        out = self.comm.output(self.tag, self.numel, self.dtype, self.device)
-        out.index_add_(0, indices, values)
-        if self.scale != 1.0:
-            out.mul_(self.scale)
+        result = self.comm.decode_into(self.out, self.reduction, values, indices)
         p = self.pending
         p.bytes_sent, p.bytes_received = self.bytes_sent, self.bytes_received
         if bool(self.dropped.any()):
-            p.leftover = self.dropped / self.prescale if self.prescale != 1.0 else self.dropped
-        return out
+            p.leftover = self.reduction.unprescaled(self.dropped)
+        return result

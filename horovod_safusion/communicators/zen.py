@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
-from .base import HISTORY, Communicator, Pending, register_communicator, wait
+from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 from .p2p import Exchange, RowCodec, send_to
 from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
 
@@ -55,7 +55,7 @@ class Zen(Communicator):
         seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
     """
 
-    state_fields = ("seed", "choice", "gamma_stats", "_measured")  # carried by the optimizer's state_dict()
+    state_fields = ("seed", "choice", "gamma_stats", "_measured", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
                  profile_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
@@ -83,18 +83,21 @@ class Zen(Communicator):
             self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name="saf.zen.seed",
                                              process_set=self.process_set)
 
-    def scheme_for(self, key: str) -> str:
-        """The scheme the buffer ``key`` (``"tag:numel"``, so a new plan measures anew) uses next."""
+    def scheme_for(self, tag: str) -> str:
+        """The scheme the buffer ``tag`` uses next."""
         if self.scheme != "auto":
             return self.scheme
-        return self.choice.get(key, "hc")
+        return self.choice.get(tag, "hc")
 
-    def start(self, tag, values, indices, numel, op, prescale, postscale) -> Pending:
+    def start(self, out: Outgoing, reduction: Reduction) -> Pending:
         if self.seed is None:
             raise RuntimeError("the zen communicator has no hash seed: DistributedOptimizer calls setup(); "
                                "pass seed= when driving a Controller yourself")
-        run = (_BalancedParallelism if self.scheme_for(f"{tag}:{numel}") == "bp" else _HierarchicalCentralization)
-        return run(self, tag, values, indices, numel, op, prescale, postscale).pending
+        if self.renewed(out):  # a new plan measures anew
+            for table in (self.choice, self.gamma_stats, self._measured):
+                table.pop(out.tag, None)
+        run = (_BalancedParallelism if self.scheme_for(out.tag) == "bp" else _HierarchicalCentralization)
+        return run(self, out, reduction).pending
 
     # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
     def measured(self, tag: str, stats: np.ndarray, weight: float) -> None:
@@ -125,22 +128,21 @@ def choose_scheme(workers: int, stats: np.ndarray) -> str:
 class _Run:
     """Common state of one buffer's synchronisation."""
 
-    def __init__(self, comm: Zen, tag, values, indices, numel, op, prescale, postscale) -> None:
+    def __init__(self, comm: Zen, out: Outgoing, reduction: Reduction) -> None:
         ps = comm.process_set
-        self.comm, self.ps, self.tag, self.numel = comm, ps, tag, numel
+        self.comm, self.ps, self.out, self.reduction = comm, ps, out, reduction
+        self.tag, self.numel = out.tag, out.numel
         self.size, self.me = ps.size(), ps.rank()
-        self.dtype, self.device = values.dtype, values.device
+        self.dtype, self.device = out.dtype, out.device
         self.codec = RowCodec(self.dtype, comm.compression)
-        self.scale = postscale / (self.size if op == hvd.Average else 1)
-        self.indices = torch.arange(numel, device=self.device) if indices is None else indices
-        self.values = values * prescale if prescale != 1.0 else values
+        self.indices = out.indices_or_all()
+        self.values = reduction.prescaled(out.values)
         self.bytes_sent = self.bytes_received = 0
 
-    def _finish(self, out: torch.Tensor) -> torch.Tensor:
-        if self.scale != 1.0:
-            out.mul_(self.scale)
+    def _finish(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """The reduced buffer from the aggregated ``values`` at ``indices`` (``None``: all)."""
         self.pending.bytes_sent, self.pending.bytes_received = self.bytes_sent, self.bytes_received
-        return out
+        return self.comm.decode_into(self.out, self.reduction, values, indices)
 
 
 class _BalancedParallelism(_Run):
@@ -180,22 +182,22 @@ class _BalancedParallelism(_Run):
     def _decode(self, raw) -> torch.Tensor:
         gathered, sets, wire_dtype = raw
         esize = torch.empty(0, dtype=wire_dtype).element_size()
-        out = self.comm.output(self.tag, self.numel, self.dtype, self.device)
-        offset, pulled = 0, []
-        for owned in sets:  # rank order: [bitmap | values] per owner
+        offset, indices, values = 0, [], []
+        for owned in sets:  # rank order: [bitmap | values] per owner; the owners' index sets are disjoint
             nbytes = (owned.numel() + 7) // 8
             bits = bitmap_decode(gathered[offset:offset + nbytes], owned.numel())
             offset += nbytes
             idx = owned[bits]
             raw_values = gathered[offset:offset + idx.numel() * esize].clone().view(wire_dtype)
             offset += idx.numel() * esize
-            out.index_add_(0, idx, self.comm.compression.decompress(raw_values, self.dtype).to(self.dtype))
-            pulled.append(idx.numel())
+            indices.append(idx)
+            values.append(self.comm.compression.decompress(raw_values, self.dtype).to(self.dtype))
+        pulled = [idx.numel() for idx in indices]
         n, local, union = self.size, max(1, self.indices.numel()), max(1, sum(pulled))
         self.comm.history.append({"tag": self.tag, "scheme": "bp", "push_imbalance": n * max(self.push_counts) / local,
                                   "pull_imbalance": n * max(pulled) / union, "serial": self.serial,
                                   "overflow": self.overflow, "selected": self.indices.numel(), "union": sum(pulled)})
-        return self._finish(out)
+        return self._finish(torch.cat(values), torch.cat(indices))
 
 
 class _HierarchicalCentralization(_Run):
@@ -252,6 +254,6 @@ class _HierarchicalCentralization(_Run):
         stats = np.array([self.indices.numel(), *self.received, union], dtype=np.float64)
         self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
                                   "union": union, "stages": list(self.received)})
-        out = self._finish(self.acc.clone())
-        self.comm.measured(f"{self.tag}:{self.numel}", stats, 1.0 if self.me < self.pow2 else 0.0)
-        return out
+        result = self._finish(self.acc, None)
+        self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0)
+        return result

@@ -68,6 +68,11 @@ class Compressor(Stateful, ABC):
         from .device import Proposal
         return Proposal.of_indices(flat, self.select(flat, segments, step))
 
+    def feedback(self, segments: Segments, feedback: int) -> None:
+        """What the job's synchronisation of the buffer whose selection segments are ``segments``
+        reported about its last selection (a communicator's ``Pending.feedback``: ExDyna's
+        k′ = |U|), after that synchronisation finished. Default: nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self.density})"
 

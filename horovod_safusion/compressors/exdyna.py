@@ -27,13 +27,15 @@ what δ has to learn, changes slowly. ``relative=False`` is the paper's absolute
 ExDyna's block partitioning and partition allocation (Algorithms 2–4) belong to the ``exdyna``
 communicator. Paired with it (:meth:`ExDyna.scaled_globally`), the compressor stops scaling from
 its own count: ExDyna's k′ is the number selected by *all* workers in their exclusive partitions
-(Alg. 1 lines 11–15), which only the communicator sees; it calls :meth:`ExDyna.scale` with it.
+(Alg. 1 lines 11–15), which only the synchronisation sees; it comes back through
+:meth:`ExDyna.feedback`, and Algorithm 5 scales the thresholds of the selection it reports on.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from ..segment import Segments
 from .base import register_compressor
 from .device import DeviceView, Proposal
 from .state import PerSegment
@@ -67,16 +69,22 @@ class ExDyna(ThresholdCompressor):
         self.beta, self.gamma, self.relative = float(beta), float(gamma), bool(relative)
         self._threshold = PerSegment()  # δ per segment (relative to mean|x| if relative)
         self._global = False
-        self.last_selection: tuple[tuple[str, ...], int] | None = None
+        # scaled globally: per selection layout, (names of the segments its selection scales, target k)
+        self._selected: dict[tuple[str, ...], tuple[tuple[str, ...], int]] = {}
 
     def scaled_globally(self) -> None:
-        """Leave Algorithm 5 to the ``exdyna`` communicator, which knows the job's k′: after each
-        selection, :attr:`last_selection` holds ``(names of its live segments, target k)``."""
+        """Scale by the job's k′ (the ``exdyna`` communicator's :attr:`Pending.feedback`) rather
+        than by this worker's own count: :meth:`feedback` applies Algorithm 5 after each step."""
         self._global = True
 
-    def scale(self, names: tuple[str, ...], selected: int, target: int) -> None:
-        """Algorithm 5 with ``exam = selected / target`` on the thresholds of ``names``."""
-        sf = float(self._factor(selected / max(1, target)))
+    def feedback(self, segments: Segments, feedback: int) -> None:
+        """Algorithm 5 with ``exam = k′ / k`` (``feedback`` = k′) on the thresholds of the
+        segments the last selection of ``segments`` scaled, against its target k."""
+        selected = self._selected.pop(segments.names, None)
+        if selected is None:
+            return
+        names, target = selected
+        sf = float(self._factor(feedback / max(1, target)))
         for n in names:
             self._threshold[n] *= sf
 
@@ -98,15 +106,15 @@ class ExDyna(ThresholdCompressor):
         live = view.live  # an all-zero segment says nothing about its threshold
         if self._global:
             names = tuple(n for n, alive in zip(view.segments.names, live.tolist()) if alive)
-            self.last_selection = (names, int(view.k[live].sum()))
+            self._selected[view.segments.names] = (names, int(view.k[live].sum()))
             return
         exam = counts[live] / np.maximum(1.0, view.k[live])  # k'/k per segment (Alg. 5 per threshold)
         self._threshold.of(view.segments.names)[live] *= self._factor(exam)
 
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
         """δ on the device; a layout with segments never seen starts them from their exact k-th
-        largest. Paired with the ``exdyna`` communicator, :attr:`last_selection` names every
-        segment (which ones are all-zero is known only on the device)."""
+        largest. Scaled globally, :meth:`feedback` scales every segment (which ones are all-zero
+        is known only on the device)."""
         names = view.segments.names
         state = delta = self._threshold.on(names, view.flat.device)
         unit = view.unit if self.relative else torch.ones_like(view.unit)
@@ -117,7 +125,7 @@ class ExDyna(ThresholdCompressor):
 
         def commit(counts: torch.Tensor) -> None:
             if self._global:
-                self.last_selection = (names, int(view.k_host.sum()))
+                self._selected[names] = (names, int(view.k_host.sum()))
                 state.copy_(delta)
             else:  # k'/k per segment, as on the host
                 factor = self._factor(counts / torch.clamp(view.k, min=1.0))

@@ -1,0 +1,133 @@
+"""The communicator contract in one process: :class:`Reduction`'s scaling, :class:`Outgoing`'s
+indices, the shared decode (equal indices add up), tag-keyed state, and ExDyna's Algorithm 5
+driven through ``Pending.feedback`` → ``Compressor.feedback`` rather than a side channel."""
+import pytest
+import torch
+
+from horovod_safusion.communicators import (Allgather, Allreduce, ExDynaCommunicator, Outgoing, Reduction, SparDL,
+                                            Zen)
+from horovod_safusion.compressors import make_compressor
+from horovod_safusion.segment import Segments
+
+
+def test_reduction_scales_as_horovod(hvd):
+    avg, total = Reduction(hvd.Average, 0.5, 2.0), Reduction(hvd.Sum)
+    assert avg.average and not total.average
+    assert avg.scale(4) == 0.5 and total.scale(4) == 1.0
+    x = torch.tensor([1.0, -3.0])
+    assert torch.equal(avg.prescaled(x), x * 0.5) and torch.equal(avg.unprescaled(avg.prescaled(x)), x)
+    assert total.prescaled(x) is x and total.unprescaled(x) is x
+
+
+def test_outgoing_gives_every_index_when_all_are_sent():
+    values = torch.arange(5, dtype=torch.float32)
+    assert torch.equal(Outgoing("0", values, None, 5).indices_or_all(), torch.arange(5))
+    picked = torch.tensor([4, 1])
+    out = Outgoing("0", values[picked], picked, 5)
+    assert out.indices_or_all() is picked and out.dtype == torch.float32 and out.residual is None and out.rows is None
+
+
+@pytest.mark.parametrize("communicator", [Allgather, Allreduce, SparDL, lambda **kw: Zen(seed=1, **kw)])
+@pytest.mark.parametrize("op,prescale,postscale", [("Average", 0.5, 2.0), ("Sum", 1.0, 1.0)])
+def test_one_worker_start_returns_the_scaled_selection(hvd, communicator, op, prescale, postscale):
+    comm = communicator(process_set=hvd.global_process_set, compression=hvd.Compression.none)
+    reduction = Reduction(getattr(hvd, op), prescale, postscale)
+    indices = torch.tensor([7, 2, 5])
+    values = torch.tensor([1.5, -2.0, 4.0])
+    got = comm.start(Outgoing("t", values, indices, 10), reduction).wait()
+    expected = torch.zeros(10)
+    expected[indices] = values * prescale * postscale
+    assert torch.equal(got, expected)
+    dense = torch.randn(10)
+    assert torch.allclose(comm.start(Outgoing("t", dense, None, 10), reduction).wait(), dense * prescale * postscale)
+
+
+def test_decode_adds_equal_indices_and_scales_once(hvd):
+    comm = Allgather(process_set=hvd.global_process_set)
+    out = Outgoing("d", torch.zeros(0), torch.zeros(0, dtype=torch.int64), 4)
+    got = comm.decode_into(out, Reduction(hvd.Sum, postscale=3.0), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([2, 2, 0]))
+    assert got.tolist() == [12.0, 0.0, 9.0, 0.0]
+    again = comm.decode_into(out, Reduction(hvd.Sum), torch.ones(4), None)  # the reused buffer, zeroed
+    assert again.tolist() == [1.0] * 4
+
+
+def test_state_is_keyed_by_tag_and_renewed_with_the_numel(hvd):
+    """ZEN's choice lives under the buffer's tag; the tag coming with another numel (a new plan)
+    measures anew."""
+    comm = Zen(process_set=hvd.global_process_set, profile_steps=1, seed=1)
+    indices = torch.tensor([1, 3])
+
+    def step(numel):
+        return comm.start(Outgoing("0", torch.ones(2), indices, numel), Reduction(hvd.Sum))
+
+    step(8).wait()
+    assert list(comm.choice) == ["0"] and comm.numels == {"0": 8}
+    pending = step(8)
+    assert list(comm.choice) == ["0"]
+    pending.wait()
+    pending = step(9)
+    assert comm.choice == {} and comm.numels == {"0": 9}
+    pending.wait()
+    assert list(comm.choice) == ["0"]
+
+
+def test_exdyna_scales_through_feedback_only(hvd):
+    """Scaled globally, the selection leaves the thresholds alone; ``feedback`` applies Algorithm 5
+    with the job's k′ against the live segments' target, once; another layout is not touched."""
+    torch.manual_seed(0)
+    comp = make_compressor("exdyna", 0.1)
+    comp.scaled_globally()
+    segments = Segments(("a", "b", "zero"), (200, 100, 50), torch.device("cpu"))
+    flat = torch.randn(350)
+    flat[300:] = 0
+    comp.select(flat, segments, 0)
+    before = {n: comp._threshold[n] for n in ("a", "b")}
+    target = 20 + 10  # the live segments' k (counting the all-zero one, k′ = 30 would scale down)
+    for feedback, factor in ((3 * target, 1 + comp.gamma), (target, 1 + comp.gamma / 4), (0, 1 - comp.gamma)):
+        comp.select(flat, segments, 0)
+        comp.feedback(Segments(("other",), (10,), torch.device("cpu")), feedback)  # not this selection's
+        assert {n: comp._threshold[n] for n in ("a", "b")} == before
+        comp.feedback(segments, feedback)
+        after = {n: comp._threshold[n] for n in ("a", "b")}
+        assert after == pytest.approx({n: v * factor for n, v in before.items()}, rel=1e-12)
+        comp.feedback(segments, feedback)  # reported once: a second report changes nothing
+        assert {n: comp._threshold[n] for n in ("a", "b")} == after
+        before = after
+
+
+def test_exdyna_communicator_reports_the_jobs_count_and_leaves_the_compressor_alone(hvd):
+    torch.manual_seed(0)
+    comp = make_compressor("exdyna", 0.1)
+    comm = ExDynaCommunicator(process_set=hvd.global_process_set)
+    comm.setup(comp)
+    segments = Segments(("w",), (80,), torch.device("cpu"))
+    flat = torch.randn(80)
+    indices = comp.select(flat, segments, 0)
+    delta = comp._threshold["w"]
+    pending = comm.start(Outgoing("x", flat[indices], indices, 80, residual=flat), Reduction(hvd.Sum))
+    assert pending.feedback is None
+    pending.wait()
+    assert pending.feedback == pending.selected == indices.numel() and comp._threshold["w"] == delta
+    comp.feedback(segments, pending.feedback)
+    assert comp._threshold["w"] == pytest.approx(delta * float(comp._factor(indices.numel() / 8)), rel=1e-12)
+
+
+def test_exdyna_device_path_feeds_back_on_every_segment(monkeypatch):
+    """On the device path the commit names every segment (which are all-zero is known only on the
+    device), with the target of them all; a selection never committed is never fed back."""
+    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
+    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", "torch")
+    torch.manual_seed(0)
+    comp = make_compressor("exdyna", 0.1)
+    comp.scaled_globally()
+    segments = Segments(("a", "zero"), (200, 100), torch.device("cpu"))
+    flat = torch.randn(300, dtype=torch.float16)
+    flat[200:] = 0
+    proposal = comp.propose(flat, segments, 0)
+    proposal.read()
+    comp.feedback(segments, 30)  # not committed yet: nothing to scale
+    proposal.commit()
+    before = {n: comp._threshold[n] for n in segments.names}
+    comp.feedback(segments, 30)  # k′ = k of both segments (20 + 10)
+    assert {n: comp._threshold[n] for n in segments.names} == \
+        pytest.approx({n: v * (1 + comp.gamma / 4) for n, v in before.items()}, rel=1e-12)
