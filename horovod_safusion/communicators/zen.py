@@ -12,7 +12,7 @@ ZEN (OSDI'25):
 * **Hierarchical Centralization** (Definition 7): recursive doubling over the whole sparse tensor
   with aggregation at every stage; a worker count that is not a power of two first folds the extra
   workers into the first ones and sends them the result at the end.
-* **Automatic choice** (§2.3, Theorem 1): for its first ``profile_steps`` steps a buffer runs
+* **Automatic choice** (§2.3, Theorem 1): for its first ``choice_steps`` steps a buffer runs
   Hierarchical Centralization and measures, per stage, the size of the aggregated union it
   receives (the densification ratios γ^(2^(i−1))) and the final union (γ^n). The measurements are
   averaged over workers with one small allreduce, so every worker takes the same decision:
@@ -47,7 +47,7 @@ class Zen(Communicator):
     Args:
         scheme: ``"auto"`` (measure, then choose by Eqs. (1)–(2)), ``"bp"`` (Balanced Parallelism)
             or ``"hc"`` (Hierarchical Centralization).
-        profile_steps: steps of measurement per buffer before ``"auto"`` decides.
+        choice_steps: steps of measurement per buffer before ``"auto"`` decides.
         rehash: k, rehash functions before the serial area (the paper uses 3).
         memory: parallel slots r1 per partition in units of the partition's expected load
             (the paper's r1 = 2·|G|·d_G; the serial area r2 = r1 / 10).
@@ -58,20 +58,20 @@ class Zen(Communicator):
     state_fields = ("seed", "choice", "gamma_stats", "_measured", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
-                 profile_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
+                 choice_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
                  seed: int | None = None) -> None:
         super().__init__(process_set, compression)
         if scheme not in SCHEMES:
             raise ValueError(f"unknown ZEN scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}")
-        if not isinstance(profile_steps, int) or profile_steps < 1:
-            raise ValueError(f"profile_steps must be a positive integer, got {profile_steps!r}")
+        if not isinstance(choice_steps, int) or choice_steps < 1:
+            raise ValueError(f"choice_steps must be a positive integer, got {choice_steps!r}")
         if not isinstance(rehash, int) or rehash < 0:
             raise ValueError(f"rehash must be a non-negative integer, got {rehash!r}")
         if memory <= 0:
             raise ValueError(f"memory must be > 0, got {memory!r}")
         if hash_slots is not None and (not isinstance(hash_slots, int) or hash_slots < 1):
             raise ValueError(f"hash_slots must be a positive integer or None, got {hash_slots!r}")
-        self.scheme, self.profile_steps, self.rehash = scheme, profile_steps, rehash
+        self.scheme, self.choice_steps, self.rehash = scheme, choice_steps, rehash
         self.memory, self.hash_slots, self.seed = float(memory), hash_slots, seed
         self.choice: dict[str, str] = {}  # per buffer tag, once decided
         self.gamma_stats: dict[str, np.ndarray] = {}  # the worker-averaged measurements behind it
@@ -102,12 +102,12 @@ class Zen(Communicator):
     # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
     def measured(self, tag: str, stats: np.ndarray, weight: float) -> None:
         """HC's per-worker measurements ``[|I_w|, received per stage..., |I|]`` of one step (weight 0
-        for workers folded out of the recursive doubling); after ``profile_steps`` steps, decide
+        for workers folded out of the recursive doubling); after ``choice_steps`` steps, decide
         (a collective: called in buffer order on every worker)."""
         if self.scheme != "auto" or tag in self.choice:
             return
         self._measured.setdefault(tag, []).append(np.concatenate([[weight], weight * stats]))
-        if len(self._measured[tag]) < self.profile_steps:
+        if len(self._measured[tag]) < self.choice_steps:
             return
         total = hvd.allreduce(torch.from_numpy(np.sum(self._measured.pop(tag), axis=0)), op=hvd.Sum,
                               name=f"saf.zen.gamma.{tag}", process_set=self.process_set).numpy()

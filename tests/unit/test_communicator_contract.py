@@ -54,7 +54,7 @@ def test_decode_adds_equal_indices_and_scales_once(hvd):
 def test_state_is_keyed_by_tag_and_renewed_with_the_numel(hvd):
     """ZEN's choice lives under the buffer's tag; the tag coming with another numel (a new plan)
     measures anew."""
-    comm = Zen(process_set=hvd.global_process_set, profile_steps=1, seed=1)
+    comm = Zen(process_set=hvd.global_process_set, choice_steps=1, seed=1)
     indices = torch.tensor([1, 3])
 
     def step(numel):
