@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
+from .session import collective
+
 _OBJECT, _ARRAY, _GENERATOR = "__object__", "__ndarray__", "__generator__"
 
 
@@ -112,7 +114,7 @@ def gather(obj: Any, name: str, process_set: Any) -> list[Any]:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
-    gathered = hvd.allgather(data, name=f"{name}.bytes", process_set=process_set)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name=collective(f"{name}.sizes"), process_set=process_set)
+    gathered = hvd.allgather(data, name=collective(f"{name}.bytes"), process_set=process_set)
     return [torch.load(io.BytesIO(part.numpy().tobytes()))
             for part in torch.split(gathered, sizes.tolist())]

@@ -55,6 +55,7 @@ from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_O
                        Observer, combine)
 from .plan import FusionPlan, check_plan_across_ranks
 from .residual import ResidualStore
+from .session import collective
 from .warmup import DensityWarmup
 
 
@@ -434,7 +435,7 @@ class Controller:
         after every buffer's collective, so that it waits behind none of them. Returns Horovod's
         handle."""
         flags = torch.tensor([sum(b.poisoned for b in self.buffers)], dtype=torch.int32)
-        return hvd.allreduce_async(flags, op=hvd.Sum, name="saf.nonfinite",
+        return hvd.allreduce_async(flags, op=hvd.Sum, name=collective("saf.nonfinite"),
                                    process_set=self.communicator.process_set)
 
     def _skipped(self, buf: FusionBuffer) -> torch.Tensor:

@@ -37,7 +37,7 @@ from horovod.torch.mpi_ops import rocm_built
 
 from .communicators import Communicator, make_communicator
 from .compressors import Compressor, make_compressor
-from . import checkpoint
+from . import checkpoint, session
 from .controller import Controller, StepStats
 from .fusion import GroupsPlanner, Planner, Profile, make_planner
 from .fusion.safusion import check_dense_choice
@@ -522,8 +522,10 @@ def _elastic_sync(opt) -> None:
     ctl.abandon_step()
     gen.drop_step(ctl)
     rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "generator": gen.state_dict(), "steps": ctl.steps,
-                                  "world_size": opt._world_size, "communicator": ctl.communicator.state_dict()},
+                                  "world_size": opt._world_size, "communicator": ctl.communicator.state_dict(),
+                                  "session": session.number()},
                                  root_rank=0, name="saf.elastic.sync", process_set=ps)
+    session.begin(rank0["session"])  # collectives of the failed session may linger in Horovod's queue
     ctl.communicator.load_state_dict(rank0["communicator"])
     ctl.communicator.setup(ctl.compressor)
     gen.load_state_dict(rank0["generator"])

@@ -37,6 +37,7 @@ from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
 from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SYNCHRONIZE, Observer
 from .plan import FusionPlan, TensorInfo
+from .session import collective
 
 
 class ProfiledStep(Observer):
@@ -233,4 +234,4 @@ class OnlineProfiler:
 
 def _allreduce(values: list[float], op: int, name: str, process_set: Any) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
-    return hvd.allreduce(t, op=op, name=name, process_set=process_set).tolist()
+    return hvd.allreduce(t, op=op, name=collective(name), process_set=process_set).tolist()

@@ -22,6 +22,7 @@ from .communicators.base import wait
 from .compressors import Compressor, sparsify
 from .plan import TensorInfo
 from .segment import Segments
+from .session import collective
 
 SWEEP_POINTS = 12
 #: The dense allreduce is timed up to this many bytes and extrapolated linearly beyond (it costs
@@ -123,7 +124,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
             sent, ctx = compression.compress(dense)
-            wait(hvd.allreduce_async_(sent, name=f"safusion.sweep.dense.{j}", op=hvd.Sum, process_set=process_set))
+            wait(hvd.allreduce_async_(sent, name=collective(f"safusion.sweep.dense.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
             if r:
                 times.append(clock.seconds(a, clock.mark()))

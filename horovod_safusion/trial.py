@@ -30,6 +30,7 @@ import torch
 import horovod.torch as hvd
 
 from .plan import FusionPlan
+from .session import collective
 
 #: Try both plans when the slower prediction is at most this factor above the faster one.
 TRIAL_MARGIN = 1.5
@@ -96,7 +97,7 @@ class DenseTrial:
         """Whether the first plan measured faster than the other was predicted (then it stays)."""
         first = float(np.median(self.blocks[0]))
         first = hvd.allreduce(torch.tensor([first], dtype=torch.float64), op=hvd.Max,
-                              name="safusion.choice.confirm", process_set=process_set).item()
+                              name=collective("safusion.choice.confirm"), process_set=process_set).item()
         if first >= self.confirm_below:
             announce(f"{describe(self.plans[0])} measured {first:.3f} s/iteration, more than the "
                      f"{self.confirm_below:.3f} s predicted for {describe(self.plans[1])}: measuring both")
@@ -107,7 +108,7 @@ class DenseTrial:
     def _decide(self, process_set: Any) -> FusionPlan | None:
         per_plan = [float(np.mean([np.median(b) for b, k in zip(self.blocks, SCHEDULE) if k == i])) for i in (0, 1)]
         medians = hvd.allreduce(torch.tensor(per_plan, dtype=torch.float64), op=hvd.Max,
-                                name="safusion.choice.measured", process_set=process_set)
+                                name=collective("safusion.choice.measured"), process_set=process_set)
         self.measured = medians.tolist()
         self._block = None
         winner = int(np.argmin(self.measured))

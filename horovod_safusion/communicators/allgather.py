@@ -13,6 +13,7 @@ import torch
 import horovod.torch as hvd
 
 from .. import wire
+from ..session import collective
 from .base import Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
@@ -26,7 +27,7 @@ class Allgather(Communicator):
         if rows is None or reduction.prescale != 1.0 or not plain:
             sent, ctx = self.compression.compress(reduction.prescaled(out.values))
             rows = wire.pack(sent, out.indices_or_all())
-        handle = hvd.allgather_async(rows, name=f"saf.ag.{out.tag}", process_set=self.process_set)
+        handle = hvd.allgather_async(rows, name=collective(f"saf.ag.{out.tag}"), process_set=self.process_set)
 
         def decode(gathered: torch.Tensor) -> torch.Tensor:
             pending.bytes_received = gathered.numel() - rows.numel()  # the other ranks' rows

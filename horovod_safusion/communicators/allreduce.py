@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import horovod.torch as hvd
 
+from ..session import collective
 from .base import Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
@@ -26,7 +27,7 @@ class Allreduce(Communicator):
         else:
             dense = self.output(out.tag, out.numel, dtype, out.device).index_copy_(0, out.indices, out.values)
         sent, ctx = self.compression.compress(dense)
-        handle = hvd.allreduce_async_(sent, name=f"saf.ar.{out.tag}", op=reduction.op,
+        handle = hvd.allreduce_async_(sent, name=collective(f"saf.ar.{out.tag}"), op=reduction.op,
                                       prescale_factor=reduction.prescale, postscale_factor=reduction.postscale,
                                       process_set=self.process_set)
 

@@ -36,6 +36,7 @@ import horovod.torch as hvd
 
 from .. import wire
 from ..compressors.exdyna import ExDyna
+from ..session import collective
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
@@ -157,7 +158,7 @@ class ExDynaCommunicator(Communicator):
         indices = out.indices_or_all()
         mine = (indices >= lo) & (indices < hi)  # Alg. 4: exclusive selection in the partition
         exclusive = indices[mine]
-        handle = hvd.allgather_async(exclusive.to(wire.INDEX_DTYPE), name=f"saf.exdyna.{tag}.idx", process_set=ps)
+        handle = hvd.allgather_async(exclusive.to(wire.INDEX_DTYPE), name=collective(f"saf.exdyna.{tag}.idx"), process_set=ps)
         state: dict = {}
 
         def collect():
@@ -168,7 +169,7 @@ class ExDynaCommunicator(Communicator):
             selected[indices] = out.values
             contrib += selected[gathered]
             sent, ctx = self.compression.compress(reduction.prescaled(contrib))
-            reduced = wait(hvd.allreduce_async(sent, name=f"saf.exdyna.{tag}.val", op=hvd.Sum, process_set=ps))
+            reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
             # Hand back what is not sent: non-exclusive selections, minus the residual sent at U.
             selected[gathered] = -residual[gathered] if residual is not None else 0
             state.update(gathered=gathered, selected=selected, sent=sent)

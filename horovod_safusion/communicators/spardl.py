@@ -48,6 +48,7 @@ import math
 import torch
 import horovod.torch as hvd
 
+from ..session import collective
 from .base import Communicator, Outgoing, Pending, Reduction, register_communicator
 from .p2p import Exchange, RowCodec, send_to
 
@@ -199,7 +200,7 @@ class _SparDLRun:
             self._keep_top(j, self.budget[j])
         parts = send_to(self._take(blocks), self.team_ranks[(self.me + dist) % self.size], self.world,
                         self.codec.empty(self.device))
-        ex = Exchange(parts, f"saf.spardl.{self.tag}.srs{i}", self.ps)
+        ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.srs{i}"), self.ps)
         self.bytes_sent += ex.bytes_sent
         return ex
 
@@ -250,7 +251,7 @@ class _SparDLRun:
         return values, held, budget
 
     def _cross(self, rows: torch.Tensor, dest: int, src: int, label: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        ex = Exchange(send_to(rows, dest, self.world, self.codec.empty(self.device)), f"saf.spardl.{self.tag}.{label}", self.ps)
+        ex = Exchange(send_to(rows, dest, self.world, self.codec.empty(self.device)), collective(f"saf.spardl.{self.tag}.{label}"), self.ps)
         self.bytes_sent += ex.bytes_sent
         return self._unframe(self._receive(ex)[src])
 
@@ -301,7 +302,7 @@ class _SparDLRun:
         for t, (dist, blocks) in enumerate(bruck_steps(self.size)):
             rows = torch.cat(collected[:blocks])
             parts = send_to(rows, self.team_ranks[(self.me - dist) % self.size], self.world, self.codec.empty(self.device))
-            ex = Exchange(parts, f"saf.spardl.{self.tag}.bruck{t}", self.ps)
+            ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.bruck{t}"), self.ps)
             self.bytes_sent += ex.bytes_sent
             got = self._receive(ex)[self.team_ranks[(self.me + dist) % self.size]]
             collected.extend(self._split_blocks(got, (self.me + dist) % self.size, blocks))

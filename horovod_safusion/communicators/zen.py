@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
+from ..session import collective
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 from .p2p import Exchange, RowCodec, send_to
 from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
@@ -80,7 +81,7 @@ class Zen(Communicator):
 
     def setup(self, compressor) -> None:
         if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all
-            self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name="saf.zen.seed",
+            self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name=collective("saf.zen.seed"),
                                              process_set=self.process_set)
 
     def scheme_for(self, tag: str) -> str:
@@ -110,7 +111,7 @@ class Zen(Communicator):
         if len(self._measured[tag]) < self.choice_steps:
             return
         total = hvd.allreduce(torch.from_numpy(np.sum(self._measured.pop(tag), axis=0)), op=hvd.Sum,
-                              name=f"saf.zen.gamma.{tag}", process_set=self.process_set).numpy()
+                              name=collective(f"saf.zen.gamma.{tag}"), process_set=self.process_set).numpy()
         self.gamma_stats[tag] = total[1:] / total[0]
         self.choice[tag] = choose_scheme(self.process_set.size(), total[1:] / total[0])
 
@@ -158,7 +159,7 @@ class _BalancedParallelism(_Run):
         self.serial, self.overflow = sum(hashed.serial), hashed.overflow
         parts = [self.codec.encode(self.values[pos], self.indices[pos]) for pos in hashed.positions]
         self.push_counts = [int(pos.numel()) for pos in hashed.positions]
-        self.push = Exchange(parts, f"saf.zen.{self.tag}.push", self.ps)
+        self.push = Exchange(parts, collective(f"saf.zen.{self.tag}.push"), self.ps)
         self.bytes_sent += self.push.bytes_sent
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
@@ -174,7 +175,7 @@ class _BalancedParallelism(_Run):
         touched[where[indices]] = True
         sent, _ = self.comm.compression.compress(local[touched])
         payload = torch.cat([bitmap_encode(touched), sent.contiguous().view(torch.uint8)])
-        gathered = wait(hvd.allgather_async(payload, name=f"saf.zen.{self.tag}.pull", process_set=self.ps))
+        gathered = wait(hvd.allgather_async(payload, name=collective(f"saf.zen.{self.tag}.pull"), process_set=self.ps))
         self.bytes_sent += payload.numel()
         self.bytes_received += gathered.numel() - payload.numel()
         return gathered, sets, sent.dtype
@@ -220,7 +221,7 @@ class _HierarchicalCentralization(_Run):
     def _send(self, dest: int, label: str) -> Exchange:
         idx = torch.nonzero(self.present).squeeze(1) if dest != self.me else torch.zeros(0, dtype=torch.int64)
         rows = self.codec.encode(self.acc[idx], idx)
-        ex = Exchange(send_to(rows, dest, self.size, self.codec.empty(self.device)), f"saf.zen.{self.tag}.{label}", self.ps)
+        ex = Exchange(send_to(rows, dest, self.size, self.codec.empty(self.device)), collective(f"saf.zen.{self.tag}.{label}"), self.ps)
         self.bytes_sent += ex.bytes_sent
         return ex
 
