@@ -138,7 +138,8 @@ class _SparDLRun:
     def __init__(self, comm: SparDL, out: Outgoing, reduction: Reduction) -> None:
         ps = comm.process_set
         self.comm, self.ps, self.out, self.reduction = comm, ps, out, reduction
-        self.tag, self.numel = tag, numel = out.tag, out.numel
+        self.tag, self.numel = out.tag, out.numel
+        numel = out.numel
         self.world, rank = ps.size(), ps.rank()
         self.d = comm.teams
         self.size = self.world // self.d  # workers per team: SRS and the final all-gather run here
