@@ -39,7 +39,7 @@ from models import resnet18  # noqa: E402
 from horovod_safusion.compressors import available_compressors, make_compressor  # noqa: E402
 from horovod_safusion.compressors import sparsify  # noqa: E402
 from horovod_safusion.fusion import InterPlanner, TensorInfo  # noqa: E402
-from horovod_safusion.sweeps import compression_sweep  # noqa: E402
+from horovod_safusion.sweeps import compression_sweep, sweep_source  # noqa: E402
 from horovod_safusion.segment import Segments  # noqa: E402
 
 COMPRESSORS = [c for c in available_compressors() if c != "none"]
@@ -115,7 +115,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     curves = {}
     for name in tqdm(args.compressors, desc="cost curves"):
-        sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), [p.numel() for p in params.values()])
+        numels = [p.numel() for p in params.values()]
+        sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), numels,
+                                                        sweep_source([], max(numels), torch.float32, torch.device("cpu")))
         curves[name] = {"sizes": sizes, "seconds": seconds, "segment_cost": per_segment}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)

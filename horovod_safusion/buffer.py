@@ -1,19 +1,29 @@
 """The fusion buffer: one flat tensor per buffer of the fusion plan, cut into one segment per tensor.
 
-SAFusion §3.1 Steps 1–2 and §4 "Controller module": gradients are copied into their segments as
-their hooks fire, and one selection and one collective run per buffer. Each buffer keeps two flat
-tensors and fills them in turn, so the residuals left by one step's selection stay where they are
-(as views) while the next step fills the other (:meth:`FusionBuffer.begin`,
-:meth:`FusionBuffer.rest_kept`).
+SAFusion §3.1 Steps 1–2 and §4 "Controller module": gradients are added into their segments as
+their hooks fire, and one selection and one collective run per buffer. The flat tensor is also
+where the buffer's error-feedback residuals live between steps: the selection zeroes what it sent
+and leaves the rest in place, and the next step adds its gradients on top (no copy, no second
+buffer). So a sparse job holds one flat tensor per gradient element, which error feedback needs
+anyway. A dense step (Horovod's allreduce) reduces the gradients in place and needs no flat: a
+buffer allocates its flat at its first sparse step and gives it up when a dense step has sent its
+residuals along.
+
+With momentum correction (DGC §3.2) a buffer keeps a second flat of the same layout for the
+momentum ``u``. Both are *planes* of the buffer: a per-parameter store (:class:`~horovod_safusion.
+residual.ResidualStore`) maps each parameter to its view of a plane, so that a new fusion plan
+and a checkpoint see per-parameter tensors; :func:`gather` moves them into the planes of a new plan.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from .communicators import Pending
+from .communicators import Pending, Target
 from .compressors.device import SegmentStats
+from .residual import ResidualStore, holds
 from .segment import Segments
 
 
@@ -24,6 +34,9 @@ class FusionBuffer:
         segments: one segment per tensor, in the plan's order.
         selection: the segments one selection runs over: :attr:`segments` (``ahead``) or one
             segment for the whole buffer (``behind``).
+        flat: ``gradient + residual`` while a sparse step fills it, the residuals between steps;
+            ``None`` until the first sparse step, and after a dense one.
+        momentum: DGC's momentum ``u`` in the same layout, when momentum correction is on.
     """
 
     def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.Tensor], order: str) -> None:
@@ -42,36 +55,80 @@ class FusionBuffer:
         self.selection = (self.segments if order == "ahead" else
                           Segments((f"{self.names[0]}..{self.names[-1]}",), (self.segments.numel,), self.device))
         self.numel = self.segments.numel
-        # Two flat tensors, used in turn: the selection leaves the unsent rest in the one it read,
-        # and the residuals stay there as views (no copy-back); the next step fills the other.
-        self._flats: list[torch.Tensor | None] = [None, None]
-        self._filling = 0
-        self.holds_residuals: int | None = None  # which of the two the residuals are views into
-        self.flat: torch.Tensor | None = None  # the one this step fills
+        self.bounds = np.append(self.segments.offset_array, self.numel)  # the segments' bounds
+        self.flat: torch.Tensor | None = None
+        self.momentum: torch.Tensor | None = None
         self.filled: set[int] = set()
+        self.grads: list[torch.Tensor | None] = [None] * len(self.names)  # where the step's result goes
+        self.target: Target | None = None
         self.pending: Pending | None = None
         self.indices: torch.Tensor | None = None  # what the last launch selected
         self.values: torch.Tensor | None = None  # what it sent for them (after wire rounding)
-        self.poisoned = False  # this rank's error-compensated gradient was not finite
+        self.dropped: "int | torch.Tensor" = 0  # non-finite gradient elements the fill dropped (a device count)
+        self.poisoned = False  # this rank's gradient had non-finite elements (decided at launch)
         self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
 
     def reset(self) -> None:
         """Forget the step in flight (after synchronize, or when a step is abandoned)."""
         self.pending, self.indices, self.values, self.poisoned, self.stats = None, None, None, False, None
+        self.dropped, self.target = 0, None
+        self.grads = [None] * len(self.names)
         self.filled.clear()
-
-    def begin(self) -> None:
-        """Pick the flat tensor this step fills: the one that does not hold the residuals (a step
-        in which this buffer was not selected from leaves them where they were)."""
-        i = 0 if self.holds_residuals is None else 1 - self.holds_residuals
-        if self._flats[i] is None:
-            self._flats[i] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        self.flat, self._filling = self._flats[i], i
-
-    def rest_kept(self) -> None:
-        """The residuals are now views into the flat tensor this step filled."""
-        self.holds_residuals = self._filling
 
     def segment(self, slot: int) -> slice:
         off = self.segments.offsets[slot]
         return slice(off, off + self.segments.sizes[slot])
+
+    def allocate(self, plane: str) -> torch.Tensor:
+        """The flat tensor of ``plane`` (``"flat"`` or ``"momentum"``), allocated (uninitialised)
+        if the buffer has none."""
+        t = getattr(self, plane)
+        if t is None:
+            t = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            setattr(self, plane, t)
+        return t
+
+
+def gather(buffers: Sequence[FusionBuffer], store: ResidualStore, plane: str) -> None:
+    """Move every parameter's tensor in ``store`` into ``plane`` of the buffer that now holds it,
+    and make the store's entries views of it; parameters with none get zeros where a plane is
+    made. A buffer that has the plane already (a loaded checkpoint) keeps it; one whose
+    parameters' tensors already make up one whole flat tensor, in order, takes that tensor as it
+    is (no copy); otherwise its plane is allocated and filled buffer by buffer, and each old flat
+    tensor is freed once its last parameter has moved, so a new plan needs at most one new
+    buffer's memory beyond what it frees (more only where a re-plan splits a buffer: it is held
+    until its last piece has moved)."""
+    for buf in buffers:
+        views = [store.peek(name) for name in buf.names]
+        flat = getattr(buf, plane)
+        if flat is None:
+            if all(v is None for v in views):
+                continue
+            flat = _whole(views, buf.numel)
+            if flat is not None:
+                setattr(buf, plane, flat)
+                continue
+            flat = buf.allocate(plane)
+        for slot, (name, v) in enumerate(zip(buf.names, views)):
+            seg = buf.segment(slot)
+            if holds(v, flat, seg):
+                continue
+            view = flat[seg]
+            view.copy_(v.reshape(-1)) if v is not None else view.zero_()
+            store.bind(name, view)
+
+
+def _whole(views: Sequence[torch.Tensor | None], numel: int) -> torch.Tensor | None:
+    """The flat tensor that ``views`` are consecutive pieces of, from its first element to its
+    last, or ``None``."""
+    if any(v is None for v in views):
+        return None
+    storage = views[0].untyped_storage()
+    if views[0].storage_offset() != 0 or storage.nbytes() != numel * views[0].element_size():
+        return None
+    at = 0
+    for v in views:
+        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.storage_offset() != at or not v.is_contiguous():
+            return None
+        at += v.numel()
+    return torch.empty(0, dtype=views[0].dtype, device=views[0].device).set_(storage, 0, (numel,), (1,))

@@ -4,24 +4,30 @@ SAFusion §4 "Controller module" and §3.1 Steps 1–3. The controller keeps the
 tensor → fusion buffer (:class:`~horovod_safusion.buffer.FusionBuffer`) of the current
 :class:`FusionPlan`, and reports its phases to whoever observes the step
 (:mod:`horovod_safusion.observer`: the online profiler, the timeline). When a gradient is ready (its hook
-fires) it is added to the parameter's error-feedback residual and copied into its segment of the
-buffer; when the buffer's *last* tensor is in, one selection runs over the buffer — per segment
-(= per tensor) for ``ahead``, over the whole buffer for ``behind`` — the unselected rest becomes
-the new residual, and ONE asynchronous collective starts, overlapping the rest of
-back-propagation. :meth:`Controller.synchronize` submits every buffer that has not started (so no
-rank hangs when a parameter got no gradient), waits, splits the aggregated flat buffer into
-tensors and writes ``p.grad``.
+fires) it is added to the parameter's error-feedback residual in its segment of the buffer (the
+buffer's flat tensor *is* where the residuals live); when the buffer's *last* tensor is in, one
+selection runs over the buffer — per segment (= per tensor) for ``ahead``, over the whole buffer
+for ``behind`` — the unselected rest stays in place as the new residual, and ONE asynchronous
+collective starts, overlapping the rest of back-propagation. :meth:`Controller.synchronize`
+submits every buffer that has not started (so no rank hangs when a parameter got no gradient),
+waits, and the communicator writes the aggregated gradient straight into the parameters' ``.grad``.
+
+A step is either sparse or dense, decided once at its first gradient. A dense step (a plan the
+dense choice made, a warm-up step at density 1, a dense compressor) adds any residual into the
+gradient itself and reduces the gradients in place with Horovod's allreduce, as
+``hvd.DistributedOptimizer`` does: it needs no buffer memory, and a buffer that sent its residuals
+along gives its flat tensor up. So the plugin holds, per gradient element, the residual (and the
+momentum, with momentum correction) and nothing else of the model's size.
 
 Three rules keep error feedback exact in real training loops:
 
-* **Non-finite gradients** (a NaN batch, a loss-scale overflow): a buffer whose
-  error-compensated gradient is not finite is not selected from on that rank. It leaves the
-  residuals as they were (non-finite residual elements are cleared) and sends nothing. One small
-  allreduce per step tells every rank whether any rank was hit; if so, every gradient of the step
-  arrives as NaN on every rank, so the user's finiteness check (or GradScaler's) skips the step on
-  all ranks, as with Horovod. Every finite buffer takes back what it sent (its residual becomes
-  gradient + residual), so only the non-finite buffers' gradient of that step is dropped, and no
-  rank keeps a NaN or stops sending.
+* **Non-finite gradients** (a NaN batch, a loss-scale overflow): on a sparse step, a gradient
+  element that is not finite does not join the residual (the residual keeps its value there) and
+  is counted. One small allreduce per step tells every rank whether any rank counted one; if so,
+  every gradient of the step arrives as NaN on every rank, so the user's finiteness check (or
+  GradScaler's) skips the step on all ranks, as with Horovod, and every rank takes back what it
+  sent into its residuals (nothing finite is lost, and no rank keeps a NaN or stops sending). A
+  dense step lets a NaN through to every rank, as Horovod does.
 * **Loss scaling**: with a ``GradScaler`` (``loss_scale`` set), residuals are kept at the scale of
   the step that made them and rescaled by ``new_scale / old_scale`` when added to the next
   gradient, so a changing scale neither inflates nor shrinks them.
@@ -45,16 +51,17 @@ import torch
 import horovod.torch as hvd
 
 from . import kernels
-from .buffer import FusionBuffer
+from .buffer import FusionBuffer, gather
 from .communicators import Allreduce, Communicator, Outgoing, Reduction
-from .communicators.base import wait
+from .communicators.base import Target, wait
 from .compressors import Compressor, sparsify
-from .compressors.device import SegmentStats, on_host
+from .compressors.device import SegmentStats
+from .kernels import host
 from .momentum import LocalClipping, MomentumCorrection
 from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, WAIT,
                        Observer, combine)
 from .plan import FusionPlan, check_plan_across_ranks
-from .residual import ResidualStore
+from .residual import ResidualStore, holds
 from .session import collective
 from .warmup import DensityWarmup
 
@@ -89,13 +96,6 @@ class StepStats:
     @property
     def missing_rate(self) -> float:
         return self.missing / self.tensors if self.tensors else 0.0
-
-
-def _finite(flat: torch.Tensor) -> bool:
-    """Whether every element is finite: their sum is (one reduction; half precision sums in
-    float32, so that finite gradients do not overflow)."""
-    acc = torch.float32 if flat.element_size() < 4 else flat.dtype
-    return bool(torch.isfinite(flat.sum(dtype=acc)))
 
 
 class Controller:
@@ -142,11 +142,13 @@ class Controller:
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
         self.target_density = 1.0 if compressor.dense else compressor.density
         self._dense, self._sender = compressor.dense, communicator  # per step: _choose_sender()
+        self._rewrite: list[tuple[torch.Tensor, torch.Tensor]] = []  # (.grad, dense stand-in), see _grad_of
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
     def set_plan(self, plan: FusionPlan) -> None:
-        """Switch to ``plan`` between steps; residuals are per parameter and carry over."""
+        """Switch to ``plan`` between steps: the residuals (and momenta) move into the new buffers
+        (:func:`~horovod_safusion.buffer.gather`)."""
         if self._step_open:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         plan.validate(self.params, {n: p.numel() for n, p in self.params.items()})
@@ -154,8 +156,14 @@ class Controller:
         self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
                         for i, names in enumerate(plan.buffers)]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
+        self.gather()
+
+    def gather(self) -> None:
+        """Move every residual and momentum into the planes of the current buffers (after a new
+        plan or a loaded checkpoint)."""
+        gather(self.buffers, self.residuals, "flat")
         if self.momentum is not None:
-            self.momentum.attach(self.buffers)
+            gather(self.buffers, self.momentum.momenta, "momentum")
 
     def switch_plan(self, plan: FusionPlan) -> None:
         """:meth:`set_plan`, then check that every rank switched to the same plan (a collective
@@ -199,7 +207,7 @@ class Controller:
             self.compressor.density = density
         self._dense = self.compressor.dense or self.plan.dense or density >= 1.0
         self._sender = self.communicator
-        if self._dense and not self.compressor.dense:
+        if self._dense and not self.communicator.dense:
             if self._dense_communicator is None:
                 self._dense_communicator = Allreduce(
                     process_set=self.communicator.process_set, compression=self.communicator.compression)
@@ -207,7 +215,7 @@ class Controller:
 
     # ---- push: called from the gradient hooks ----------------------------------------------
     def grad_ready(self, p: torch.Tensor) -> None:
-        """Copy ``p``'s error-compensated gradient into its buffer; launch the buffer when full."""
+        """Add ``p``'s gradient to its residual in its buffer; launch the buffer when full."""
         buf, slot = self._slot[id(p)]
         if slot in buf.filled:
             return
@@ -234,13 +242,15 @@ class Controller:
 
     def abandon_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers
-        already launched have updated their residuals; Horovod elastic's restore then loads the
-        residuals of the last commit."""
+        already filled hold their gradient in their residuals; Horovod elastic's restore then
+        loads the residuals of the last commit."""
         for buf in self.buffers:
             buf.reset()
+        self._rewrite = []
         self._step_open = False
 
     def _gradient(self, buf: FusionBuffer, slot: int) -> torch.Tensor:
+        """``p.grad`` flat (a view where it is dense and contiguous), zeros if ``p`` has none."""
         p, name = buf.params[slot], buf.names[slot]
         g = p.grad
         if g is None:
@@ -253,110 +263,128 @@ class Controller:
             g = g.to_dense()
         return g.reshape(-1)
 
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor:
+        """Where the reduced gradient of ``p`` goes, flat: ``p.grad`` itself where it is dense and
+        contiguous (made, zero, where ``p`` has none, as Horovod does); otherwise a dense
+        stand-in that :meth:`synchronize` copies into ``p.grad`` at the end."""
+        g = p.grad
+        if g is None:
+            p.grad = g = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        if not g.is_sparse and g.is_contiguous():
+            return g.view(-1)
+        stand_in = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        self._rewrite.append((p, stand_in))
+        return stand_in
+
     def _fill(self, buf: FusionBuffer, slot: int) -> None:
         obs = self.observer
         t = obs.mark() if obs else None
-        if not buf.filled:
-            buf.begin()
-            if self._fuses_statistics(buf):
-                buf.stats = SegmentStats(len(buf.names), buf.device)
-        seg = buf.flat[buf.segment(slot)]
         g = self._gradient(buf, slot)
+        buf.grads[slot] = self._grad_of(buf.params[slot])  # where the reduced gradient will go
         if self.clipping is not None:
             g = self.clipping(g)
-        if self.momentum is not None:
-            g = self.momentum.accumulate(buf, slot, g, self._rescale)
-        name = buf.names[slot]
-        # a dense step sends the residual left by sparse steps (if any) along, and keeps none
-        r = None if self.compressor.dense else \
-            self.residuals.pop(name) if self._dense else self.residuals.get(name, seg)
-        if r is None:
-            seg.copy_(g)
-        elif buf.stats is not None:
-            buf.stats.set(slot, kernels.accumulate(seg, g, r, self._rescale))
-        elif self._rescale is not None:
-            torch.addcmul(g, r, self._rescale, out=seg)
-        else:
-            torch.add(g, r, out=seg)
+        (self._fill_dense if self._dense else self._fill_sparse)(buf, slot, g)
         buf.filled.add(slot)
         if obs:
             obs.span(MEMCPY_IN, t, tensor=buf.names[slot])
 
+    def _fill_sparse(self, buf: FusionBuffer, slot: int, g: torch.Tensor) -> None:
+        """``segment = gradient + scale · residual`` in the buffer, in place where the residual is
+        the segment itself; non-finite gradient elements are dropped and counted."""
+        flat = buf.allocate("flat")
+        seg = buf.segment(slot)
+        view = flat[seg]
+        r = self.residuals.peek(buf.names[slot])
+        residual = view if holds(r, flat, seg) else r
+        on_host = kernels.on_host(flat)
+        if self.momentum is not None:
+            g = self.momentum.accumulate(buf, slot, g, self._rescale, on_host)
+        if on_host:
+            scale = None if self._rescale is None else float(self._rescale)
+            buf.dropped += host.fill(view, g, residual, scale)
+            return
+        if not buf.filled and self._fuses_statistics(buf):
+            buf.stats = SegmentStats(len(buf.names), buf.device)
+        if buf.stats is not None:
+            dropped, mx, total = kernels.accumulate(view, g, residual, self._rescale, stats=True)
+            buf.stats.set(slot, (mx, total, torch.ones((), dtype=torch.bool, device=buf.device)))
+        else:
+            (dropped,) = kernels.accumulate(view, g, residual, self._rescale)
+        buf.dropped = buf.dropped + dropped
+
+    def _fill_dense(self, buf: FusionBuffer, slot: int, g: torch.Tensor) -> None:
+        """The gradient as it is sent dense: into ``p.grad`` itself (reduced in place), with the
+        residual of earlier sparse steps (sent along, and kept no more) and the momentum."""
+        dst = buf.grads[slot]
+        r = self.residuals.pop(buf.names[slot])
+        on_host = kernels.on_host(dst)
+        if self.momentum is not None:
+            g = self.momentum.accumulate(buf, slot, g, self._rescale, on_host)
+        if on_host and (r is not None or dst is not g):
+            host.fill(dst, g, r, None if self._rescale is None else float(self._rescale), drop=False)
+            return
+        if r is None:
+            if dst is not g:
+                dst.copy_(g)
+        else:
+            torch.add(g, r * self._rescale if self._rescale is not None else r, out=dst)
+
     def _fuses_statistics(self, buf: FusionBuffer) -> bool:
         """Whether this step takes the buffer's selection statistics while filling it: sparse, on
         the device path with the Triton kernels, and selecting per tensor (one segment per tensor)."""
-        return (not self._dense and buf.selection is buf.segments and not on_host(buf.flat)
-                and kernels.uses_triton(buf.flat))
+        return buf.selection is buf.segments and kernels.uses_triton(buf.flat)
 
     def _launch(self, buf: FusionBuffer) -> None:
         obs = self.observer
         t = obs.mark() if obs else None
         rows = None  # the wire rows, where the selection wrote them itself (the device path)
         if self._dense:
-            values, indices = buf.flat, None
-            if self.momentum is not None and _finite(buf.flat):  # a non-finite step leaves u as it was
-                self.momentum.commit(buf)
-        elif not on_host(buf.flat):
+            values, indices = None, None
+            buf.flat = None  # its residuals went along with the gradients
+        elif not kernels.on_host(buf.flat):
             values, indices, rows = self._select_on_device(buf)
-        elif not _finite(buf.flat):
-            values, indices = self._poisoned(buf)  # residuals (and momenta) stay as they were
         else:
-            if self.momentum is not None:
-                self.momentum.commit(buf)
+            buf.poisoned = buf.dropped > 0
             values, indices = sparsify(self.compressor, buf.flat, buf.selection, self.steps)
-            if indices is not None and self._wire_rounds:
+            if self._wire_rounds:
                 values = self._round_for_wire(buf, values, indices)
-            self._keep_rest(buf, indices)
+            self._keep_rest(buf)
         buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if obs:
-            t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel, selected=values.numel())
-        comm = self._sender  # the job's communicator, or Horovod's allreduce under a dense plan
-        residual = buf.flat if indices is not None and not buf.poisoned else None
-        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, residual, rows), self.reduction)
+            t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
+                         selected=buf.numel if values is None else values.numel())
+        comm = self._sender  # the job's communicator, or Horovod's allreduce on a dense step
+        buf.target = Target(tuple(buf.grads), buf.bounds)
+        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
+                                 self.reduction)
         if obs:
             obs.span(SUBMIT, t, buffer=buf.index)
 
     def _select_on_device(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The device path (GPU buffers, half precision): the compressor decides on the device,
         and the buffer is read back once — its selected count, which sizes the collective,
-        together with whether it is finite. Then the momentum and the compressor's state commit,
-        and the selection is taken (straight into the wire rows where the kernels write them)."""
+        together with how many gradient elements the fill dropped. Then the compressor's state
+        commits, and the selection is taken (straight into the wire rows where the kernels write
+        them)."""
         proposal = self.compressor.propose(buf.flat, buf.selection, self.steps, stats=buf.stats)
+        if isinstance(buf.dropped, torch.Tensor):  # read along with the count
+            proposal.finite = proposal.finite & (buf.dropped == 0)
         total, finite = proposal.read()  # the one host synchronisation of this buffer
-        if not finite:
-            return (*self._poisoned(buf), None)  # residuals, momenta and thresholds stay as they were
-        if self.momentum is not None:
-            self.momentum.commit(buf)
+        buf.poisoned = not finite
         proposal.commit()
         values, indices, rows = proposal.take(total)
         if self._wire_rounds:
             values, rows = self._round_for_wire(buf, values, indices), None
-        self._keep_rest(buf, indices)
+        self._keep_rest(buf)
         return values, indices, rows
 
-    def _keep_rest(self, buf: FusionBuffer, indices: torch.Tensor | None) -> None:
-        """What the selection left in the buffer becomes the new residual (none when everything
-        was sent): the residuals become views of the buffer's segments, and the next step fills
-        the buffer's other flat tensor, so nothing is copied back."""
-        if indices is None:
-            for name in buf.names:
-                self.residuals.discard(name)
-            return
+    def _keep_rest(self, buf: FusionBuffer) -> None:
+        """What the selection left in the buffer is the new residual: each parameter's residual
+        is its segment of the buffer (bound once; the buffer is filled in place from then on)."""
         for slot, name in enumerate(buf.names):
-            self.residuals.bind(name, buf.flat[buf.segment(slot)])
-        buf.rest_kept()
-
-    def _poisoned(self, buf: FusionBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-        """A buffer whose error-compensated gradient is not finite: keep the residuals as they
-        were (rescaled to this step's loss scale, non-finite elements cleared), select nothing,
-        and leave the compressor's state alone. The collective still runs, empty."""
-        buf.poisoned = True
-        for slot, name in enumerate(buf.names):
-            r = self.residuals.get(name, buf.flat[buf.segment(slot)])
-            if self._rescale is not None:
-                r.mul_(self._rescale)
-            torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)
-        return buf.flat[:0], torch.empty(0, dtype=torch.int64, device=buf.device)
+            seg = buf.segment(slot)
+            if not holds(self.residuals.peek(name), buf.flat, seg):
+                self.residuals.bind(name, buf.flat[seg])
 
     def _round_for_wire(self, buf: FusionBuffer, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``values`` as Horovod's wire compression delivers them; the rounding error goes back
@@ -371,7 +399,8 @@ class Controller:
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
     def synchronize(self) -> StepStats:
-        """Start what has not started, wait for every buffer, write the aggregated ``p.grad``."""
+        """Start what has not started, wait for every buffer; the communicators write the
+        aggregated gradients into ``p.grad``."""
         obs = self.observer
         if obs:
             t_sync = obs.mark()
@@ -393,34 +422,23 @@ class Controller:
             if hit is not None and not isinstance(hit, bool):  # submitted last: waits for the others too
                 hit = bool(wait(hit).item())
             t = obs.span(WAIT, t, buffer=buf.index) if obs else None
-            out = buf.pending.wait()  # decoding and write-back: computation after communication
-            if buf.pending.feedback is not None and not buf.poisoned:  # a poisoned buffer selected nothing
+            buf.pending.wait()  # decoding into the gradients: computation after communication
+            if buf.pending.feedback is not None:
                 self.compressor.feedback(buf.selection, buf.pending.feedback)
             t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None
-            leftover = buf.pending.leftover  # what the protocol dropped: back into error feedback
             if hit:
-                out, leftover = self._skipped(buf), None
-            elif self.momentum is not None and buf.indices is not None:
-                self.momentum.mask(buf, buf.indices)
-            for slot, p in enumerate(buf.params):
-                self._write_grad(p, out[buf.segment(slot)])
-                if leftover is not None:
-                    rest = leftover[buf.segment(slot)]
-                    self.residuals.get(buf.names[slot], rest).add_(rest)
+                self._skipped(buf)
+            else:
+                self._keep_leftover(buf)
+                if self.momentum is not None and buf.indices is not None:
+                    self.momentum.mask(buf, buf.indices)
             if obs:
                 obs.span(MEMCPY_OUT, t, buffer=buf.index)
-            stats.tensors += len(buf.names)
-            stats.elements += buf.numel
-            stats.bytes_sent += buf.pending.bytes_sent
-            stats.bytes_received += buf.pending.bytes_received or 0
-            if buf.pending.selected is not None:
-                stats.selected += buf.pending.selected
-            elif buf.indices is None:
-                stats.selected += buf.numel
-            else:
-                stats.selected += buf.indices.numel()
-                missing.append((buf.segments.counts(buf.indices) == 0).sum())
+            self._count(buf, stats, missing)
             buf.reset()
+        for p, stand_in in self._rewrite:  # sparse or strided gradients: written back as they are
+            _write_back(p, stand_in)
+        self._rewrite = []
         stats.missing = int(torch.stack(missing).sum()) if missing else 0  # one read per step
         self.steps += 1
         self._residual_scale = self._step_scale
@@ -430,32 +448,50 @@ class Controller:
             obs.span(SYNCHRONIZE, t_sync)
         return stats
 
+    def _keep_leftover(self, buf: FusionBuffer) -> None:
+        """What the protocol did not deliver (``Pending.leftover``) goes back into the residuals."""
+        leftover = buf.pending.leftover
+        if leftover is not None:
+            buf.flat.index_add_(0, *leftover)
+
+    @staticmethod
+    def _count(buf: FusionBuffer, stats: StepStats, missing: list[torch.Tensor]) -> None:
+        stats.tensors += len(buf.names)
+        stats.elements += buf.numel
+        stats.bytes_sent += buf.pending.bytes_sent
+        stats.bytes_received += buf.pending.bytes_received or 0
+        if buf.pending.selected is not None:
+            stats.selected += buf.pending.selected
+        elif buf.indices is None:
+            stats.selected += buf.numel
+        else:
+            stats.selected += buf.indices.numel()
+            missing.append((buf.segments.counts(buf.indices) == 0).sum())
+
     def _poisoned_anywhere(self) -> int:
-        """Starts one small allreduce that counts the non-finite buffers of all ranks; submitted
-        after every buffer's collective, so that it waits behind none of them. Returns Horovod's
-        handle."""
+        """Starts one small allreduce that counts the buffers with dropped gradient elements on all
+        ranks; submitted after every buffer's collective, so that it waits behind none of them.
+        Returns Horovod's handle."""
         flags = torch.tensor([sum(b.poisoned for b in self.buffers)], dtype=torch.int32)
         return hvd.allreduce_async(flags, op=hvd.Sum, name=collective("saf.nonfinite"),
                                    process_set=self.communicator.process_set)
 
-    def _skipped(self, buf: FusionBuffer) -> torch.Tensor:
-        """A step some rank could not send (non-finite gradient): the buffer arrives as NaN
-        everywhere, and if this rank sent it, it takes it back into its residuals (gradient +
+    def _skipped(self, buf: FusionBuffer) -> None:
+        """A step some rank could not send whole (a non-finite gradient): the buffer arrives as NaN
+        everywhere, and every rank takes what it sent back into its residuals (gradient +
         residual, as if nothing had been selected), so the step the user skips loses no finite
-        gradient. At density 1 (everything sent, no residual) the step's gradient is dropped, as
-        with Horovod."""
-        if not buf.poisoned and buf.indices is not None:
+        gradient."""
+        if buf.indices is not None:
             buf.flat.index_add_(0, buf.indices, buf.values)
-            self._keep_rest(buf, buf.indices)
-        return torch.full((buf.numel,), float("nan"), dtype=buf.dtype, device=buf.device)
+        for t in buf.target.tensors:
+            t.fill_(float("nan"))
 
-    @staticmethod
-    def _write_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
-        value = flat.view(p.shape)
-        if p.grad is None:
-            p.grad = value.clone()
-        elif p.grad.is_sparse:
-            # Sparse grads do not support copy_ from dense; Horovod uses the same equivalent.
-            p.grad.zero_().add_(value.to_sparse())
-        else:
-            p.grad.copy_(value)
+
+def _write_back(p: torch.Tensor, flat: torch.Tensor) -> None:
+    """The reduced gradient of a parameter whose ``.grad`` is sparse or strided."""
+    value = flat.view(p.shape)
+    if p.grad.is_sparse:
+        # Sparse grads do not support copy_ from dense; Horovod uses the same equivalent.
+        p.grad.zero_().add_(value.to_sparse())
+    else:
+        p.grad.copy_(value)

@@ -15,11 +15,12 @@ factor masking (§3.3) clears ``u`` where ``v`` was sent, so that a sent element
 pushing in a stale direction. Steps sent dense (warm-up, the dense choice, density 1) keep ``u``
 whole, as DGC's uncompressed tensors do: at density 1 this is SGD with momentum (to rounding).
 
-:class:`MomentumCorrection` owns ``u``, per fusion buffer as two flat tensors used in turn: a step
-writes ``u_t`` into the one that does not hold ``u_{t−1}`` (no copy), and only a buffer that was
-finite on this rank makes it current, so a skipped non-finite step leaves the momentum as it was.
-Momenta are per parameter (views of the current flats), so a new fusion plan keeps them, and they
-are part of the optimizer's ``state_dict()``.
+:class:`MomentumCorrection` owns ``u``: per parameter, a view of its fusion buffer's momentum
+plane (:mod:`horovod_safusion.buffer`), one flat tensor per gradient element, updated in place
+while the gradient joins the residual (:func:`horovod_safusion.kernels.host.fill` on the host
+path). A non-finite gradient element leaves its momentum as it was. Momenta are per parameter, so
+a new fusion plan keeps them (:func:`horovod_safusion.buffer.gather`), and they are part of the
+optimizer's ``state_dict()``.
 
 :class:`LocalClipping` (§3.2, "Local gradient clipping"): a worker clips each tensor's gradient to
 ``max_norm · N^(−1/2)`` before it enters error feedback, so that the sum of N workers' gradients
@@ -33,6 +34,8 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+
+from .residual import ResidualStore, holds
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped step runs without
 
@@ -78,71 +81,86 @@ class MomentumCorrection:
         groups: the wrapped SGD's parameter groups, read at every step (schedulers may change
             ``momentum`` and ``weight_decay``).
         masking: clear ``u`` where a sparse step sent the residual (momentum factor masking).
+        params: the trainable parameters by name.
+
+    Attributes:
+        momenta: the per-parameter ``u``, views of the buffers' momentum planes.
     """
 
-    def __init__(self, groups: Sequence[dict], masking: bool = True) -> None:
+    def __init__(self, groups: Sequence[dict], masking: bool = True,
+                 params: dict[str, torch.Tensor] | None = None) -> None:
         self._group = {id(p): g for g in groups for p in g["params"]}
         self.masking = masking
-        self._flats: dict[int, list[torch.Tensor]] = {}  # buffer index → its two flats
-        self._current: dict[int, int] = {}  # buffer index → which flat holds u
-        self._where: dict[str, tuple[int, slice]] = {}  # name → (buffer index, segment)
+        self.params = dict(params or {})
+        self.momenta = ResidualStore()
 
-    def attach(self, buffers) -> None:
-        """Give every buffer of a new plan its two momentum flats, carrying every parameter's ``u``."""
-        old = {name: self.momentum(name) for name in self._where}
-        self._flats, self._current, self._where = {}, {}, {}
-        for buf in buffers:
-            flats = [torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device) for _ in range(2)]
-            self._flats[buf.index], self._current[buf.index] = flats, 0
-            for slot, name in enumerate(buf.names):
-                self._where[name] = (buf.index, buf.segment(slot))
-                if name in old:
-                    self.momentum(name).copy_(old[name])
+    def of(self, buf, slot: int) -> torch.Tensor:
+        """``u`` of the buffer's tensor ``slot``: its view of the buffer's momentum plane, where its
+        momentum is moved (from a checkpoint) or started at zero on first use."""
+        name, seg = buf.names[slot], buf.segment(slot)
+        plane = buf.allocate("momentum")
+        u = self.momenta.peek(name)
+        if not holds(u, plane, seg):
+            view = plane[seg]
+            view.copy_(u.reshape(-1)) if u is not None else view.zero_()
+            self.momenta.bind(name, view)
+            u = view
+        return u
 
-    def accumulate(self, buf, slot: int, g: torch.Tensor, rescale: torch.Tensor | None = None) -> torch.Tensor:
-        """``u_t = m · u_{t−1} + g + wd · w`` into the buffer's other flat; returns what joins the
-        residual: ``u_t``, or ``g + wd · w + m · u_t`` with Nesterov. ``rescale`` (a 0-dim tensor)
-        brings ``u_{t−1}`` to this step's loss scale."""
-        p = buf.params[slot]
+    def factors(self, p: torch.Tensor) -> tuple[float, float, bool]:
+        """``(momentum, weight_decay, nesterov)`` of ``p``'s group, as the user set them now."""
         group = self._group[id(p)]
-        m, wd = float(group["momentum"]), float(group["weight_decay"])
-        cur = self._current[buf.index]
-        seg = buf.segment(slot)
-        u_old, u_new = self._flats[buf.index][cur][seg], self._flats[buf.index][1 - cur][seg]
-        d = g if wd == 0 else torch.add(g, p.detach().reshape(-1), alpha=wd)
-        if rescale is None:
-            torch.add(d, u_old, alpha=m, out=u_new)
-        else:
-            torch.addcmul(d, u_old, rescale * m, out=u_new)
-        return torch.add(d, u_new, alpha=m) if group["nesterov"] else u_new
+        return float(group["momentum"]), float(group["weight_decay"]), bool(group["nesterov"])
 
-    def commit(self, buf) -> None:
-        """This step's ``u`` of ``buf`` becomes current (its gradient was finite on this rank)."""
-        self._current[buf.index] ^= 1
+    def accumulate(self, buf, slot: int, g: torch.Tensor, rescale: torch.Tensor | None = None,
+                   on_host: bool = True) -> torch.Tensor:
+        """``u = m · rescale · u + g + wd · w`` in place where the gradient is finite (elsewhere
+        ``u = rescale · u``); returns what joins the residual: ``u``, or ``g + wd · w + m · u``
+        with Nesterov (not finite where ``g`` is not, so that the residual's fill drops and counts
+        those elements). On the host a finite gradient (the common case, one check) updates ``u``
+        with no temporary; the device path never reads back and always masks."""
+        p = buf.params[slot]
+        m, wd, nesterov = self.factors(p)
+        u = self.of(buf, slot)
+        d = g if wd == 0 else torch.add(g, p.detach().reshape(-1), alpha=wd)
+        finite = on_host and bool(torch.isfinite(d).all())
+        factor = m if rescale is None else rescale * m
+        if finite:
+            if rescale is None:
+                torch.add(d, u, alpha=m, out=u)
+            else:
+                torch.addcmul(d, u, factor, out=u)
+        else:
+            ok = torch.isfinite(d)
+            if rescale is not None:
+                u.mul_(rescale)
+            u.copy_(torch.where(ok, torch.add(d, u, alpha=m), u))
+        if nesterov:
+            return torch.add(d, u, alpha=m)
+        return u if finite else torch.where(torch.isfinite(d), u, d)
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent."""
-        if self.masking:
-            self._flats[buf.index][self._current[buf.index]].index_fill_(0, indices, 0)
+        if self.masking and buf.momentum is not None:
+            buf.momentum.index_fill_(0, indices, 0)
 
     def momentum(self, name: str) -> torch.Tensor:
-        """The flat ``u`` of parameter ``name`` (a view; read, do not modify)."""
-        index, seg = self._where[name]
-        return self._flats[index][self._current[index]][seg]
+        """The flat ``u`` of parameter ``name`` (read, do not modify; zeros before its first step)."""
+        return self.momenta.get(name, self.params[name].detach().reshape(-1))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: self.momentum(n).clone() for n in self._where}
+        return self.momenta.state_dict()
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], numels: dict[str, int]) -> None:
+        """Take the momenta of a checkpoint (``numels``: each parameter's size, for the checks)."""
         for name, u in state.items():
-            if name not in self._where:
+            if name not in numels:
                 raise ValueError(f"the checkpoint holds a momentum for {name!r}, which is not a trainable "
                                  "parameter of this optimizer")
-            mine = self.momentum(name)
-            if u.numel() != mine.numel():
+            if u.numel() != numels[name]:
                 raise ValueError(f"the checkpoint's momentum for {name!r} has {u.numel()} elements; the "
-                                 f"parameter has {mine.numel()}")
-            mine.copy_(u.reshape(-1))
+                                 f"parameter has {numels[name]}")
+        self.momenta.load_state_dict({n: u.reshape(-1) for n, u in state.items()})
 
 
 class LocalClipping:

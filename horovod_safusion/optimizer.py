@@ -129,7 +129,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller = Controller(
             self._named_trainable, plan, comp, comm, op, prescale, postscale, sparse_as_dense,
             loss_scale=_loss_scale(grad_scaler),
-            momentum=MomentumCorrection(self.param_groups, momentum_masking) if momentum_correction else None,
+            momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable))
+            if momentum_correction else None,
             clipping=None if local_clipping is None else LocalClipping(local_clipping, process_set.size()),
             warmup=warmup if warmup.steps else None)
         recorder = make_recorder(timeline)
@@ -596,7 +597,7 @@ def _load_safusion_state(opt, saved: dict) -> None:
                         bool(saved["all_ranks"]), size, rank)
         ctl._residual_scale = saved["loss_scale"]
         if ctl.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
-            ctl.momentum.load_state_dict(source["momenta"])
+            ctl.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in ctl.params.items()})
     if saved["communicator"] == type(ctl.communicator).__name__ and old_size == size:
         ctl.communicator.load_state_dict(source["communicator"])
     ctl.steps = int(saved["steps"])
@@ -606,6 +607,7 @@ def _load_safusion_state(opt, saved: dict) -> None:
     if old_size == size and set(plan.names) == set(ctl.params):
         ctl.set_plan(plan)
     else:  # other costs (world size) or other parameters: profile again, from the plan in use
+        ctl.gather()
         gen.restart()
 
 

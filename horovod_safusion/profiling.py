@@ -202,7 +202,10 @@ class OnlineProfiler:
         device = controller.device
         comp = sweeps.planned_compressor(controller.compressor, controller.target_density)
         comm = controller.communicator
-        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, [t.numel for t in tensors], dtype, device)
+        numels = [t.numel for t in tensors]
+        source = sweeps.sweep_source([b.flat for b in controller.buffers], max(numels), dtype, device)
+        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source)
+        del source
         cm_bytes, cm_secs = sweeps.communication_sweep(comm, tensors, controller.target_density, dtype, device)
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
         priced = (getattr(self.planner, "prices_dense", False) and not comp.dense

@@ -12,18 +12,26 @@ import torch
 
 
 class ResidualStore:
-    """Flat residual tensors keyed by parameter name, created lazily as zeros."""
+    """Flat per-parameter tensors keyed by parameter name: views of a fusion buffer's flat tensor
+    while training (:mod:`horovod_safusion.buffer`), tensors of their own after a checkpoint was
+    loaded. The controller keeps the residuals in one, momentum correction its momenta in
+    another."""
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
 
+    def peek(self, name: str) -> torch.Tensor | None:
+        """The flat tensor of ``name``, or ``None`` (zeros) if it has none."""
+        return self._residuals.get(name)
+
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The flat residual of ``name``, shaped and typed like ``like`` flattened."""
+        """The flat tensor of ``name``, or zeros shaped and typed like ``like`` flattened if it has
+        none (not stored: read, do not modify)."""
         r = self._residuals.get(name)
-        if r is None or r.numel() != like.numel() or r.dtype != like.dtype or r.device != like.device:
-            r = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-            self._residuals[name] = r
-        return r
+        return torch.zeros(like.numel(), dtype=like.dtype, device=like.device) if r is None else r
+
+    def names(self) -> list[str]:
+        return list(self._residuals)
 
     def pop(self, name: str) -> torch.Tensor | None:
         """Take ``name``'s residual out of the store (``None`` if it has none)."""
@@ -42,3 +50,9 @@ class ResidualStore:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._residuals = {n: r.detach().clone() for n, r in state.items()}
+
+
+def holds(view: torch.Tensor | None, flat: torch.Tensor | None, seg: slice) -> bool:
+    """Whether ``view`` is exactly ``flat[seg]`` (the same memory)."""
+    return (view is not None and flat is not None and view.numel() == seg.stop - seg.start
+            and view.data_ptr() == flat.data_ptr() + seg.start * flat.element_size())

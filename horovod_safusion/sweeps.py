@@ -45,27 +45,44 @@ def sizes(lo: int, hi: int) -> list[int]:
     return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
 
 
-def time_compression(compressor: Compressor, seg_sizes: Sequence[int], dtype: torch.dtype = torch.float32,
-                     device: torch.device | str = "cpu", steps: int = 10) -> float:
-    """Mean seconds of one selection (with residual bookkeeping) of a buffer cut into ``seg_sizes``,
-    on a copy of ``compressor`` so that the caller's state is untouched."""
-    device = torch.device(device)
+def time_compression(compressor: Compressor, source: torch.Tensor, seg_sizes: Sequence[int], steps: int = 10) -> float:
+    """Mean seconds of one selection of a buffer cut into ``seg_sizes``, made on the first elements
+    of ``source`` (a flat tensor, e.g. a fusion buffer's residuals) and undone after each one, so
+    ``source`` ends as it was; on a copy of ``compressor``, so that the caller's state is
+    untouched."""
     comp = copy.deepcopy(compressor)
-    seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), tuple(seg_sizes), device)
-    data = torch.randn(seg.numel, dtype=dtype, device=device)
-    flat = data.clone()
-    sparsify(comp, flat, seg, 0)  # warm-up
-    clock = Clock(device)
+    seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), tuple(seg_sizes), source.device)
+    flat = source[:seg.numel]
+
+    def select(step: int) -> None:
+        values, indices = sparsify(comp, flat, seg, step)
+        if indices is not None:
+            flat.index_copy_(0, indices, values)  # the selection undone: bit for bit
+
+    select(0)  # warm-up
+    clock = Clock(source.device)
     a = clock.mark()
     for step in range(1, steps + 1):
-        flat.copy_(data)
-        sparsify(comp, flat, seg, step)
+        select(step)
     return clock.seconds(a, clock.mark()) / steps
 
 
-def compression_sweep(compressor: Compressor, numels: Sequence[int], dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> tuple[list[int], list[float], float]:
-    """Compression cost curve of ``compressor`` over the size range of ``numels``.
+def sweep_source(flats: Sequence[torch.Tensor | None], numel: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """What the compression sweep selects from: the largest of ``flats`` (fusion buffers holding
+    residuals, left as they were) of ``dtype``, or, where none holds ``numel`` elements, random
+    data of that size (memory of its own for the sweep's duration)."""
+    held = [f for f in flats if f is not None and f.dtype == dtype and f.device == device]
+    largest = max(held, key=lambda f: f.numel(), default=None)
+    if largest is not None and largest.numel() >= numel:
+        return largest
+    return torch.randn(numel, dtype=dtype, device=device)
+
+
+def compression_sweep(compressor: Compressor, numels: Sequence[int], source: torch.Tensor
+                      ) -> tuple[list[int], list[float], float]:
+    """Compression cost curve of ``compressor`` over the size range of ``numels``, timed on the
+    first elements of ``source`` (:func:`sweep_source`; at least ``max(numels)`` elements).
 
     Returns the swept dense sizes in bytes, the seconds to compress a one-segment buffer of each,
     and the extra seconds per additional segment (a buffer cut into 16 segments against one),
@@ -73,20 +90,23 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], dtype: torc
     :class:`~horovod_safusion.fusion.CostCurve`'s points.
     """
     swept = sizes(min(numels), max(numels))
-    element = torch.empty((), dtype=dtype).element_size()
+    element = source.element_size()
     if compressor.dense:
         return [n * element for n in swept], [0.0] * len(swept), 0.0
-    seconds = [time_compression(compressor, (n,), dtype, device) for n in swept]
-    n = max(16, int(np.median(numels)) * 16)
-    per_segment = max(0.0, (time_compression(compressor, (n // 16,) * 16, dtype, device)
-                            - time_compression(compressor, (n // 16 * 16,), dtype, device)) / 15)
+    seconds = [time_compression(compressor, source, (n,)) for n in swept]
+    n = min(max(16, int(np.median(numels)) * 16), source.numel())
+    per_segment = max(0.0, (time_compression(compressor, source, (n // 16,) * 16)
+                            - time_compression(compressor, source, (n // 16 * 16,))) / 15)
     return [n * element for n in swept], seconds, per_segment
 
 
 def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
                         dtype: torch.dtype, device: torch.device, reps: int = 3) -> tuple[list[float], list[float]]:
     """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
-    job's ``tensors`` send at ``density`` (a collective: every rank of its process set)."""
+    job's ``tensors`` send at ``density`` (a collective: every rank of its process set). The
+    collectives have no target: what they deliver is not added anywhere (the steps' decoding
+    is measured in the profiled steps themselves), so the sweep holds no buffer of the model's
+    size."""
     total = sum(t.numel for t in tensors)
     dense = communicator.dense
     most = total if dense else max(1, int(1.5 * density * total) + len(tensors))
@@ -105,7 +125,6 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
                 times.append(clock.seconds(a, clock.mark()))
         nbytes.append(float(pending.bytes_sent))
         seconds.append(float(np.median(times)))
-    communicator.release_outputs("sweep.")
     return nbytes, seconds
 
 

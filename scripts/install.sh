@@ -105,5 +105,5 @@ fi
 log "installing horovod-safusion (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 log "compiling the selection kernels (Numba caches them in the package)"
-"$PY" -c "from horovod_safusion.compressors.segmented import warm_up; warm_up()"
+"$PY" -c "from horovod_safusion.compressors.segmented import warm_up; warm_up(); from horovod_safusion.kernels.host import warm_up; warm_up()"
 log "done: $("$PY" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"

@@ -2,8 +2,9 @@
 
 Every rank contributes its selected (value, index) rows of a buffer to one ``hvd.allgather`` (rows
 the device path's selection wrote itself travel as they are); every rank then adds all rows into
-a zero buffer with ``index_add_`` (:func:`horovod_safusion.kernels.decode_rows`) (equal indices from different
-ranks add up, unlike the ``scatter_`` of Cupcake's and Espresso's prototypes), and scales.
+the zeroed gradients of the buffer's parameters (:func:`horovod_safusion.kernels.decode_rows`;
+equal indices from different ranks add up, unlike the ``scatter_`` of Cupcake's and Espresso's
+prototypes), and scales.
 Traffic per rank grows with the worker count; the sparse collectives of the seeds
 (ZEN, SparDL, ExDyna) are the alternatives.
 """
@@ -26,15 +27,16 @@ class Allgather(Communicator):
         rows = out.rows
         if rows is None or reduction.prescale != 1.0 or not plain:
             sent, ctx = self.compression.compress(reduction.prescaled(out.values))
-            rows = wire.pack(sent, out.indices_or_all())
+            rows = wire.pack(sent, out.indices)
         handle = hvd.allgather_async(rows, name=collective(f"saf.ag.{out.tag}"), process_set=self.process_set)
 
-        def decode(gathered: torch.Tensor) -> torch.Tensor:
+        def decode(gathered: torch.Tensor) -> None:
             pending.bytes_received = gathered.numel() - rows.numel()  # the other ranks' rows
             if plain:
-                return self.decode_into(out, reduction, rows=gathered)
+                self.decode_into(out, reduction, rows=gathered)
+                return
             got_values, got_indices = wire.unpack(gathered, sent.dtype)
-            return self.decode_into(out, reduction, self.compression.decompress(got_values, ctx).to(out.dtype), got_indices)
+            self.decode_into(out, reduction, self.compression.decompress(got_values, ctx).to(out.dtype), got_indices)
 
         pending = Pending(lambda: wait(handle), decode, rows.numel())
         return pending

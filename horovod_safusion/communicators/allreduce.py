@@ -1,9 +1,12 @@
-"""``allreduce``: dense synchronisation of the fused buffer, as Horovod's own fusion does.
+"""``allreduce``: dense synchronisation of a fusion buffer, as Horovod's own fusion does.
 
-Selected values are placed into a zero buffer of the full size (all values when nothing was
-dropped) and reduced with ``hvd.allreduce`` using Horovod's op and scale factors, so with the
-``none`` compressor the result equals ``hvd.DistributedOptimizer``'s. With a sparsifying
-compressor it isolates the effect of sparsification on accuracy from any traffic saving.
+The buffer's gradients are reduced in place, as one group (``hvd.grouped_allreduce_async_``),
+with Horovod's op and scale factors, so with the ``none`` compressor (or a dense step of a sparse
+compressor: a warm-up step, the dense choice) the result equals ``hvd.DistributedOptimizer``'s and
+the plugin holds no copy of the gradients: Horovod fuses them in its own fusion buffer, as it
+does for ``hvd.DistributedOptimizer``. With a sparsifying compressor the selected values are
+placed into the zeroed gradients first, which isolates the effect of sparsification on accuracy
+from any traffic saving.
 """
 from __future__ import annotations
 
@@ -16,22 +19,28 @@ from .base import Communicator, Outgoing, Pending, Reduction, register_communica
 
 @register_communicator("allreduce")
 class Allreduce(Communicator):
-    """Dense fused allreduce (``op`` and scale factors passed through to Horovod)."""
+    """Dense in-place allreduce of a buffer's gradients (``op`` and scale factors passed through to
+    Horovod)."""
 
     dense = True
 
     def start(self, out: Outgoing, reduction: Reduction) -> Pending:
-        dtype = out.dtype
-        if out.indices is None:
-            dense = out.values.contiguous()
+        if out.target is None:  # a sweep: its values are the dense buffer
+            tensors = [out.values]
         else:
-            dense = self.output(out.tag, out.numel, dtype, out.device).index_copy_(0, out.indices, out.values)
-        sent, ctx = self.compression.compress(dense)
-        handle = hvd.allreduce_async_(sent, name=collective(f"saf.ar.{out.tag}"), op=reduction.op,
-                                      prescale_factor=reduction.prescale, postscale_factor=reduction.postscale,
-                                      process_set=self.process_set)
+            tensors = list(out.target.tensors)
+            if out.values is not None:  # a sparse selection, sent dense
+                out.target.zero()
+                out.target.add(out.values, out.indices)
+        compressed = [self.compression.compress(t) for t in tensors]
+        sent = [c for c, _ in compressed]
+        handle = hvd.grouped_allreduce_async_(sent, name=collective(f"saf.ar.{out.tag}"), op=reduction.op,
+                                              prescale_factor=reduction.prescale,
+                                              postscale_factor=reduction.postscale, process_set=self.process_set)
 
-        def decode(reduced: torch.Tensor) -> torch.Tensor:
-            return self.compression.decompress(reduced, ctx).to(dtype)
+        def decode(reduced: list[torch.Tensor]) -> None:
+            for t, r, (c, ctx) in zip(tensors, reduced, compressed):
+                if c is not t:  # wire compression: the reduced copy back into the gradient
+                    t.copy_(self.compression.decompress(r, ctx))
 
-        return Pending(lambda: wait(handle), decode, sent.numel() * sent.element_size())
+        return Pending(lambda: wait(handle), decode, sum(c.numel() * c.element_size() for c in sent))

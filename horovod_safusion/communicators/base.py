@@ -1,12 +1,14 @@
 """Communicator interface and registry: how one fusion buffer is synchronised.
 
 A communicator receives, per fusion buffer and step, an :class:`Outgoing` record — the values this
-rank selected and their buffer-relative indices — and the job's :class:`Reduction`, starts *one*
-asynchronous collective (so communication overlaps the rest of back-propagation, SAFusion §3.1
-Step-2), and later returns the reduced dense flat buffer (:class:`Pending`). The reduction follows
-Horovod's scaling: ``postscale · Σ_ranks prescale · x`` and, for ``op=Average``, a further
-``1 / size``. Values of different ranks at the same index add up; sparse communicators decode
-through one place, :meth:`Communicator.decode_into`.
+rank selected and their buffer-relative indices, and the :class:`Target` the reduced gradient goes
+to — and the job's :class:`Reduction`, starts *one* asynchronous collective (so communication
+overlaps the rest of back-propagation, SAFusion §3.1 Step-2), and later writes the reduced
+gradient into the target (:class:`Pending`). The target is the buffer's parameters' own ``.grad``
+tensors, one per segment, so the reduced buffer needs no memory of its own, as with Horovod's
+in-place allreduce. The reduction follows Horovod's scaling: ``postscale · Σ_ranks prescale · x``
+and, for ``op=Average``, a further ``1 / size``. Values of different ranks at the same index add
+up; sparse communicators decode through one place, :meth:`Communicator.decode_into`.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 import horovod.torch as hvd
 
@@ -79,52 +82,87 @@ class Reduction:
 
 
 @dataclass(frozen=True, eq=False)
+class Target:
+    """Where one fusion buffer's reduced gradient goes: one flat tensor per segment (views of the
+    parameters' ``.grad``), segment ``s`` holding buffer indices ``[bounds[s], bounds[s + 1])``.
+
+    Attributes:
+        tensors: flat, contiguous, of the buffer's dtype and device.
+        bounds: the segments' offsets followed by the buffer's size (int64 NumPy array).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    bounds: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        return int(self.bounds[-1])
+
+    def zero(self) -> None:
+        torch._foreach_zero_(list(self.tensors))
+
+    def scale(self, factor: float) -> None:
+        torch._foreach_mul_(list(self.tensors), factor)
+
+    def add(self, values: torch.Tensor, indices: torch.Tensor | None = None) -> None:
+        """``values`` added at buffer ``indices`` (equal indices add up), or a whole dense flat
+        buffer when ``indices`` is ``None``."""
+        if indices is None:
+            for t, lo, hi in zip(self.tensors, self.bounds[:-1].tolist(), self.bounds[1:].tolist()):
+                t.add_(values[lo:hi])
+        else:
+            kernels.scatter_add(self.tensors, self.bounds, indices, values)
+
+    def add_rows(self, rows: torch.Tensor) -> None:
+        """Every wire row's value added at its index (:mod:`horovod_safusion.wire`)."""
+        kernels.decode_rows(rows, self.tensors, self.bounds)
+
+
+@dataclass(frozen=True, eq=False)
 class Outgoing:
     """One fusion buffer's contribution of this rank, as the controller hands it over.
 
     Attributes:
         tag: short, stable collective name of the buffer (same on every rank).
-        values: selected values (all ``numel`` values when ``indices`` is ``None``).
-        indices: buffer-relative int64 indices of ``values``, or ``None`` for all.
-        numel: elements of the dense flat buffer.
-        residual: the buffer's unselected rest (this rank's new residual), or ``None`` when
-            everything was selected or nothing may be taken from it (a non-finite buffer).
+        values: selected values, or ``None`` for a dense step: the target then holds this rank's
+            whole contribution, to be reduced in place.
+        indices: buffer-relative int64 indices of ``values`` (``None`` with ``values=None``).
+        numel: elements of the buffer.
+        residual: the buffer's unselected rest (this rank's new residual), or ``None``.
         rows: the selection already packed as wire rows (:mod:`horovod_safusion.wire`) by the
             device path's kernels, or ``None``.
+        target: where the reduced gradient goes (``None`` for a sweep, which only times the
+            collective).
 
     Valid until the :class:`Pending` that :meth:`Communicator.start` returned has finished
-    ``wait()``. ``residual`` and ``indices`` are read-only (``residual`` is a view of the
-    controller's buffer, which holds the residuals); ``values`` may be reduced in place (the dense
-    allreduce does: sending everything, it is the buffer itself).
+    ``wait()``. ``values``, ``residual`` and ``indices`` are read-only (``residual`` is a view of
+    the controller's buffer, which holds the residuals).
     """
 
     tag: str
-    values: torch.Tensor
+    values: torch.Tensor | None
     indices: torch.Tensor | None
     numel: int
     residual: torch.Tensor | None = None
     rows: torch.Tensor | None = None
+    target: Target | None = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.values.dtype
+        return self.values.dtype if self.values is not None else self.target.tensors[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.values.device
-
-    def indices_or_all(self) -> torch.Tensor:
-        """The indices of :attr:`values`: :attr:`indices`, or every index when it is ``None``."""
-        return torch.arange(self.numel, device=self.device) if self.indices is None else self.indices
+        return self.values.device if self.values is not None else self.target.tensors[0].device
 
 
 class Pending:
     """An in-flight buffer synchronisation, in two phases.
 
-    ``collect()`` waits for the collective and returns its raw output; ``decode(raw)`` turns that
-    into the reduced dense flat buffer (unpacking, ``index_add_``, scaling). The controller times
-    them apart: waiting is communication, decoding is computation. ``wait()`` does both; every
-    phase runs once and later calls return the same result.
+    ``collect()`` waits for the collective and returns its raw output; ``decode(raw)`` writes the
+    reduced gradient into the :class:`Target` (unpacking, ``index_add_``, scaling). The controller
+    times them apart: waiting is communication, decoding is computation. ``wait()`` does both;
+    every phase runs once.
 
     Multi-round protocols (SparDL, ZEN, ExDyna) launch their first round when the buffer starts
     and run the later rounds inside ``collect()``, which the controller calls in buffer order on
@@ -136,37 +174,39 @@ class Pending:
             collective hides it, e.g. a dense allreduce).
         selected: elements this rank's contribution carried, where it differs from what the
             compressor selected (ExDyna sends the union of all ranks' exclusive selections).
-        leftover: a dense flat tensor (``numel`` elements, this rank, unscaled) of values the
+        leftover: ``(indices, values)`` (buffer-relative, this rank, unscaled) of values the
             protocol did *not* deliver although the controller counted them as sent — SparDL's
             in-procedure and end-procedure residuals, ExDyna's non-exclusive selections — or
             negative corrections for values it delivered from the residual (ExDyna's
-            all-reduce of every rank's accumulator at the gathered indices). The controller adds
-            it into the per-parameter residuals, so error feedback loses nothing and checkpoints
-            stay complete. ``None``: nothing to hand back.
+            all-reduce of every rank's accumulator at the gathered indices). Equal indices add
+            up. The controller adds them into the residuals, so error feedback loses nothing and
+            checkpoints stay complete. ``None``: nothing to hand back.
         feedback: what the job's synchronisation tells the compressor about the buffer's selection
             (ExDyna: the job's selected count k′ = |U|); the controller passes it to
             :meth:`~horovod_safusion.compressors.base.Compressor.feedback`. ``None``: nothing.
     """
 
-    def __init__(self, collect: Callable[[], Any], decode: Callable[[Any], torch.Tensor], bytes_sent: int) -> None:
+    def __init__(self, collect: Callable[[], Any], decode: Callable[[Any], None], bytes_sent: int) -> None:
         self._collect, self._decode = collect, decode
         self._raw: Any = None
-        self._result: torch.Tensor | None = None
+        self._collected = self._decoded = False
         self.bytes_sent = bytes_sent
         self.bytes_received: int | None = None
         self.selected: int | None = None
-        self.leftover: torch.Tensor | None = None
+        self.leftover: tuple[torch.Tensor, torch.Tensor] | None = None
         self.feedback: int | None = None
 
     def collect(self) -> Any:
-        if self._raw is None:
-            self._raw = self._collect()
+        if not self._collected:
+            self._raw, self._collected = self._collect(), True
         return self._raw
 
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
-            self._result = self._decode(self.collect())
-        return self._result
+    def wait(self) -> None:
+        if not self._decoded:
+            raw = self.collect()
+            self._raw, self._decoded = None, True  # the raw output is not kept past decoding
+            self._decode(raw)
+            self._collect = self._decode = None  # a protocol's run refers to this: no cycle outlives it
 
 
 class Communicator(Stateful, ABC):
@@ -190,7 +230,6 @@ class Communicator(Stateful, ABC):
     def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.compression = compression
-        self._outputs: dict[str, torch.Tensor] = {}  # decoding buffers by tag, see output()
         self.numels: dict[str, int] = {}  # per tag, the numel of its last start, see renewed()
 
     def bind(self, process_set: Any, compression: Any) -> "Communicator":
@@ -212,40 +251,24 @@ class Communicator(Stateful, ABC):
         self.numels[out.tag] = out.numel
         return renewed
 
-    def output(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed dense flat buffer to decode ``tag``'s result into, reused from step to step.
-        Memory taken afresh each step arrives as new pages, and faulting them in cost more than
-        the decoding itself; zeroing reused memory costs a fraction of that. Valid until ``tag`` is decoded again: the controller copies it into the
-        gradients at once."""
-        out = self._outputs.get(tag)
-        if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
-            out = self._outputs[tag] = torch.zeros(numel, dtype=dtype, device=device)
-            return out
-        return out.zero_()
-
     def decode_into(self, out: Outgoing, reduction: Reduction, values: torch.Tensor | None = None,
-                    indices: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The reduced dense flat buffer of ``out``: its :meth:`output` buffer with what the ranks
-        delivered added in — ``values`` at ``indices`` (at every index when ``indices`` is ``None``)
-        or, where the protocol received wire ``rows`` of the buffer's dtype, those rows
-        (:func:`~horovod_safusion.kernels.decode_rows`) — equal indices adding up, then scaled by
-        ``reduction`` over the process set's size."""
-        result = self.output(out.tag, out.numel, out.dtype, out.device)
+                    indices: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """The reduced gradient of ``out`` into its target: zeroed, then what the ranks delivered
+        added in — ``values`` at ``indices`` (a dense flat ``values`` when ``indices`` is
+        ``None``) or, where the protocol received wire ``rows`` of the buffer's dtype, those rows —
+        equal indices adding up, then scaled by ``reduction`` over the process set's size.
+        Nothing happens without a target (a sweep)."""
+        target = out.target
+        if target is None:
+            return
+        target.zero()
         if rows is not None:
-            kernels.decode_rows(rows, result)
-        elif indices is None:
-            result.add_(values)
-        else:
-            result.index_add_(0, indices, values)
+            target.add_rows(rows)
+        elif values is not None:
+            target.add(values, indices)
         scale = reduction.scale(self.process_set.size())
         if scale != 1.0:
-            result.mul_(scale)
-        return result
-
-    def release_outputs(self, prefix: str) -> None:
-        """Free the decoding buffers of tags starting with ``prefix`` (the profile's sweeps)."""
-        for tag in [t for t in self._outputs if t.startswith(prefix)]:
-            del self._outputs[tag]
+            target.scale(scale)
 
     def setup(self, compressor: Any) -> None:
         """Called once on every rank of the process set when the optimizer is built, after the

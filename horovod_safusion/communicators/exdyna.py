@@ -155,7 +155,7 @@ class ExDynaCommunicator(Communicator):
         if t > 0:
             parts.adjust(self.alpha, self.blk_move, self.min_blk)
         lo, hi = parts.bounds(allocation(t, me, n))
-        indices = out.indices_or_all()
+        indices, values = out.indices, out.values
         mine = (indices >= lo) & (indices < hi)  # Alg. 4: exclusive selection in the partition
         exclusive = indices[mine]
         handle = hvd.allgather_async(exclusive.to(wire.INDEX_DTYPE), name=collective(f"saf.exdyna.{tag}.idx"), process_set=ps)
@@ -164,20 +164,27 @@ class ExDynaCommunicator(Communicator):
         def collect():
             gathered = wait(handle).to(torch.int64)  # U: disjoint, same on every rank
             # Accumulator at U: own selected values + residual (Alg. 1 line 12).
-            contrib = residual[gathered].clone() if residual is not None else torch.zeros(gathered.numel(), dtype=dtype, device=device)
-            selected = torch.zeros(numel, dtype=dtype, device=device)
-            selected[indices] = out.values
-            contrib += selected[gathered]
+            order = torch.argsort(indices)
+            ordered = indices[order]
+            at = torch.searchsorted(ordered, gathered).clamp(max=max(0, ordered.numel() - 1))
+            hit = ordered[at] == gathered if ordered.numel() else torch.zeros_like(gathered, dtype=torch.bool)
+            own = torch.where(hit, values[order][at], 0) if ordered.numel() else torch.zeros(gathered.numel(), dtype=dtype, device=device)
+            contrib = own + residual[gathered] if residual is not None else own
             sent, ctx = self.compression.compress(reduction.prescaled(contrib))
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
-            # Hand back what is not sent: non-exclusive selections, minus the residual sent at U.
-            selected[gathered] = -residual[gathered] if residual is not None else 0
-            state.update(gathered=gathered, selected=selected, sent=sent)
+            # Hand back what is not sent: non-exclusive selections outside U, minus the residual sent at U.
+            delivered = torch.zeros(indices.numel(), dtype=torch.bool, device=device)
+            delivered[order[at[hit]]] = True
+            back_idx, back_val = [indices[~delivered]], [values[~delivered]]
+            if residual is not None:
+                back_idx.append(gathered)
+                back_val.append(-residual[gathered])
+            state.update(gathered=gathered, sent=sent, leftover=(torch.cat(back_idx), torch.cat(back_val)))
             return self.compression.decompress(reduced, ctx).to(dtype)
 
         def decode(reduced):
             gathered = state["gathered"]
-            result = self.decode_into(out, reduction, reduced, gathered)
+            self.decode_into(out, reduction, reduced, gathered)
             counts = torch.bincount(torch.bucketize(gathered, parts.starts(device), right=True) - 1,
                                     minlength=n).tolist()
             parts.counts = counts
@@ -190,9 +197,10 @@ class ExDynaCommunicator(Communicator):
             # all-gather: the other workers' indices; all-reduce: a ring's 2(n-1)/n of the values
             pending.bytes_received = (gathered.numel() - exclusive.numel()) * 4 + \
                 int(2 * (n - 1) / n * state["sent"].numel() * state["sent"].element_size())
-            leftover = state["selected"]
-            pending.leftover = reduction.unprescaled(leftover) if bool(leftover.any()) else None
-            return result
+            back_idx, back_val = state["leftover"]
+            keep = back_val != 0
+            if bool(keep.any()):
+                pending.leftover = (back_idx[keep], reduction.unprescaled(back_val[keep]))
 
         pending = Pending(collect, decode, exclusive.numel() * 4)
         return pending

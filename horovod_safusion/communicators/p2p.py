@@ -90,3 +90,50 @@ class Exchange:
 def send_to(rows: torch.Tensor, dest: int, size: int, empty: torch.Tensor) -> list[torch.Tensor]:
     """Per-destination parts that send ``rows`` to ``dest`` only."""
     return [rows if r == dest else empty for r in range(size)]
+
+
+class SparseSum:
+    """A sparse vector over one buffer: sorted unique indices and their values, as a worker of a
+    multi-round protocol holds it (SparDL's blocks, ZEN's recursive doubling). Merging adds the
+    values of equal indices, in the order they were merged (so workers that merge the same
+    pieces in the same order round alike); memory grows with what is held, not with the buffer.
+    """
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        self.indices, self.values = self._summed(indices, values)
+
+    @staticmethod
+    def _summed(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted unique ``indices`` with the values of equal ones added (in input order)."""
+        if indices.numel() == 0:
+            return indices.to(torch.int64), values
+        unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+        return unique, torch.zeros(unique.numel(), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+
+    def merge(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` at ``indices`` (after what is held)."""
+        self.indices, self.values = self._summed(torch.cat([self.indices, indices]), torch.cat([self.values, values]))
+
+    def span(self, lo: int, hi: int) -> slice:
+        """The positions of the held indices in ``[lo, hi)``."""
+        a, b = torch.searchsorted(self.indices, torch.tensor([lo, hi], device=self.indices.device)).tolist()
+        return slice(a, b)
+
+    def remove(self, keep: torch.Tensor) -> None:
+        """Keep only the entries where the boolean ``keep`` (one per entry) is set."""
+        self.indices, self.values = self.indices[keep], self.values[keep]
+
+    def take(self, spans: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of ``spans`` (in that order), removed from the vector."""
+        if not spans:
+            return self.indices[:0], self.values[:0]
+        idx = torch.cat([self.indices[s] for s in spans])
+        values = torch.cat([self.values[s] for s in spans])
+        keep = torch.ones(self.indices.numel(), dtype=torch.bool, device=self.indices.device)
+        for s in spans:
+            keep[s] = False
+        self.remove(keep)
+        return idx, values
+
+    def __len__(self) -> int:
+        return self.indices.numel()

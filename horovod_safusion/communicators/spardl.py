@@ -50,7 +50,7 @@ import horovod.torch as hvd
 
 from ..session import collective
 from .base import Communicator, Outgoing, Pending, Reduction, register_communicator
-from .p2p import Exchange, RowCodec, send_to
+from .p2p import Exchange, RowCodec, SparseSum, send_to
 
 
 def srs_steps(size: int) -> list[tuple[int, int, int]]:
@@ -133,12 +133,14 @@ class BSAGStep:
 
 
 class _SparDLRun:
-    """One buffer's SparDL synchronisation: step 1 starts here, the rest runs in ``collect``."""
+    """One buffer's SparDL synchronisation: step 1 starts here, the rest runs in ``collect``. The
+    held blocks and what this worker dropped are sparse (:class:`~.p2p.SparseSum`), so a run
+    holds memory in proportion to the selection, not to the buffer."""
 
     def __init__(self, comm: SparDL, out: Outgoing, reduction: Reduction) -> None:
         ps = comm.process_set
         self.comm, self.ps, self.out, self.reduction = comm, ps, out, reduction
-        self.tag, self.numel = out.tag, out.numel
+        self.tag = out.tag
         numel = out.numel
         self.world, rank = ps.size(), ps.rank()
         self.d = comm.teams
@@ -148,16 +150,11 @@ class _SparDLRun:
         self.cross_ranks = [t * self.size + self.me for t in range(self.d)]  # same position, every team
         self.dtype, self.device = out.dtype, out.device
         self.codec = RowCodec(self.dtype, comm.compression)
-        self.dense = out.indices is None
-        indices = out.indices_or_all()
-        # The held blocks, densely: accumulated values and which indices are present.
-        self.acc = torch.zeros(numel, dtype=self.dtype, device=self.device)
-        self.acc[indices] = reduction.prescaled(out.values)
-        self.present = torch.zeros(numel, dtype=torch.bool, device=self.device)
-        self.present[indices] = True
-        self.dropped = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        # The held values (prescaled) and what this worker dropped (its share, prescaled).
+        self.held = SparseSum(out.indices, reduction.prescaled(out.values))
+        self.dropped: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bounds = block_bounds(numel, self.size)
-        self.count = count = indices.numel()
+        self.count = count = out.indices.numel()
         self.budget = [min(hi - lo, math.ceil(count * (hi - lo) / numel)) if numel else 0
                        for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
         self.steps = srs_steps(self.size)
@@ -167,32 +164,29 @@ class _SparDLRun:
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
     # ---- Spar-Reduce-Scatter ------------------------------------------------------------------
-    def _held(self, block: int) -> torch.Tensor:
-        """Indices of the values this worker holds in ``block``."""
-        lo, hi = self.bounds[block], self.bounds[block + 1]
-        return torch.nonzero(self.present[lo:hi]).squeeze(1) + lo
+    def _span(self, block: int) -> slice:
+        """Where the values this worker holds in ``block`` are."""
+        return self.held.span(self.bounds[block], self.bounds[block + 1])
 
     def _keep_top(self, block: int, budget: int, share: float = 1.0) -> None:
         """Keep the top-``budget`` held values of ``block``; of the dropped ones this worker keeps
         ``share`` as its residual (1 unless other workers dropped the very same values)."""
-        held = self._held(block)
-        if held.numel() <= budget:
+        span = self._span(block)
+        values = self.held.values[span]
+        if values.numel() <= budget:
             return
-        keep = torch.topk(self.acc[held].abs(), budget, sorted=False).indices
-        drop = torch.ones(held.numel(), dtype=torch.bool, device=self.device)
-        drop[keep] = False
-        gone = held[drop]
-        self.dropped[gone] += self.acc[gone] * share if share != 1.0 else self.acc[gone]
-        self.acc[gone] = 0
-        self.present[gone] = False
+        keep = torch.zeros(values.numel(), dtype=torch.bool, device=self.device)
+        keep[torch.topk(values.abs(), budget, sorted=False).indices] = True
+        gone = ~keep
+        self.dropped.append((self.held.indices[span][gone], values[gone] * share if share != 1.0 else values[gone]))
+        whole = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
+        whole[span] = keep
+        self.held.remove(whole)
 
     def _take(self, blocks: list[int]) -> torch.Tensor:
         """Rows of the held values of ``blocks``, which leave this worker."""
-        idx = torch.cat([self._held(j) for j in blocks]) if blocks else torch.zeros(0, dtype=torch.int64, device=self.device)
-        rows = self.codec.encode(self.acc[idx], idx)
-        self.acc[idx] = 0
-        self.present[idx] = False
-        return rows
+        idx, values = self.held.take([self._span(j) for j in blocks])
+        return self.codec.encode(values, idx)
 
     def _send_step(self, i: int) -> Exchange:
         dist, first, stop = self.steps[i]
@@ -215,8 +209,7 @@ class _SparDLRun:
             if i > 0:
                 self._exchange = self._send_step(i)
             values, indices = self.codec.decode(torch.cat(self._receive(self._exchange)))
-            self.acc.index_add_(0, indices, values)  # equal indices add up
-            self.present[indices] = True
+            self.held.merge(indices, values)  # equal indices add up
         self._keep_top(self.me, self.budget[self.me])  # end of procedure: the preserved block (Alg. 1 l. 10)
         if self.d > 1:
             (self._recursive_sag if self.d & (self.d - 1) == 0 else self._bruck_sag)()
@@ -244,12 +237,9 @@ class _SparDLRun:
         return out
 
     def _own_block(self, budget: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The held block as it travels (wire-rounded values), taken out of the accumulator."""
-        held = self._held(self.me)
-        values = self.codec.round(self.acc[held])
-        self.acc[held] = 0
-        self.present[held] = False
-        return values, held, budget
+        """The held block as it travels (wire-rounded values), taken out of the held values."""
+        idx, values = self.held.take([self._span(self.me)])
+        return self.codec.round(values), idx, budget
 
     def _cross(self, rows: torch.Tensor, dest: int, src: int, label: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         ex = Exchange(send_to(rows, dest, self.world, self.codec.empty(self.device)), collective(f"saf.spardl.{self.tag}.{label}"), self.ps)
@@ -257,10 +247,9 @@ class _SparDLRun:
         return self._unframe(self._receive(ex)[src])
 
     def _add(self, blocks: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:
-        """Add blocks (in the given order) into the accumulator; their agreed budget L."""
+        """Add blocks (in the given order) into the held values; their agreed budget L."""
         for values, indices, _ in blocks:
-            self.acc.index_add_(0, indices, values)
-            self.present[indices] = True
+            self.held.merge(indices, values)
         return max(b for _, _, b in blocks)
 
     def _recursive_sag(self) -> None:
@@ -280,8 +269,7 @@ class _SparDLRun:
         state = self.comm.h_state.get(self.tag)
         if state is None:
             state = self.comm.h_state[self.tag] = BSAGStep(self.count, self.d, self.world)
-        if not self.dense:  # a dense block has nothing to bound: B-SAG's top-h would only drop
-            self._keep_top(self.me, math.ceil(state.h))  # a local selection: its residual stays here
+        self._keep_top(self.me, math.ceil(state.h))  # a local selection: its residual stays here
         blocks = {self.team: self._own_block(self.budget[self.me])}
         collected = [self.team]
         for t, (dist, count) in enumerate(bruck_steps(self.d)):
@@ -293,7 +281,7 @@ class _SparDLRun:
                 blocks[j] = blk
                 collected.append(j)
         budget = self._add([blocks[j] for j in range(self.d)])  # team order: identical sums everywhere
-        n_t = int(self._held(self.me).numel())
+        n_t = len(self.held)
         self._keep_top(self.me, budget, 1.0 / self.d)  # d workers dropped the same values
         state.update(n_t)
 
@@ -319,11 +307,11 @@ class _SparDLRun:
         return list(torch.split(rows[order], counts))
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+    def _decode(self, blocks: list[torch.Tensor]) -> None:
         values, indices = self.codec.decode(torch.cat(blocks))
-        result = self.comm.decode_into(self.out, self.reduction, values, indices)
+        self.comm.decode_into(self.out, self.reduction, values, indices)
         p = self.pending
         p.bytes_sent, p.bytes_received = self.bytes_sent, self.bytes_received
-        if bool(self.dropped.any()):
-            p.leftover = self.reduction.unprescaled(self.dropped)
-        return result
+        if self.dropped:
+            gone = SparseSum(torch.cat([i for i, _ in self.dropped]), torch.cat([v for _, v in self.dropped]))
+            p.leftover = (gone.indices, self.reduction.unprescaled(gone.values))

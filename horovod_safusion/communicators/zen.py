@@ -3,8 +3,10 @@
 ZEN (OSDI'25):
 
 * **Balanced Parallelism** (Definition 6, §3): *push* — every worker splits its selected
-  (value, index) pairs by the shared hash h0 with lossless hierarchical hashing (Algorithm 1,
-  :mod:`.zen_hash`) and sends partition i to worker i in one ``hvd.alltoall`` with splits; the
+  (value, index) pairs by the shared hash h0 (an affine permutation of the buffer's indices cut
+  into n ranges, :class:`~.zen_hash.AffinePartition`, so that no index set is stored) with
+  lossless hierarchical hashing (Algorithm 1, :mod:`.zen_hash`) and sends partition i to worker i
+  in one ``hvd.alltoall`` with splits; the
   owner aggregates (values of equal indices add up). *Pull* — every owner announces its aggregated
   values with a hash bitmap over its index set 𝕀_i (Algorithm 2) in one ``hvd.allgather``; every
   worker decodes 𝕀_i[bits] and writes the values. Both steps are balanced because h0 is universal
@@ -35,8 +37,8 @@ import horovod.torch as hvd
 
 from ..session import collective
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
-from .p2p import Exchange, RowCodec, send_to
-from .zen_hash import bitmap_decode, bitmap_encode, hash_family, hierarchical_hash, owned_sets
+from .p2p import Exchange, RowCodec, SparseSum, send_to
+from .zen_hash import AffinePartition, bitmap_decode, bitmap_encode, hash_family, hierarchical_hash
 
 SCHEMES = ("auto", "bp", "hc")
 
@@ -136,14 +138,14 @@ class _Run:
         self.size, self.me = ps.size(), ps.rank()
         self.dtype, self.device = out.dtype, out.device
         self.codec = RowCodec(self.dtype, comm.compression)
-        self.indices = out.indices_or_all()
+        self.indices = out.indices
         self.values = reduction.prescaled(out.values)
         self.bytes_sent = self.bytes_received = 0
 
-    def _finish(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
-        """The reduced buffer from the aggregated ``values`` at ``indices`` (``None``: all)."""
+    def _finish(self, values: torch.Tensor, indices: torch.Tensor) -> None:
+        """The reduced gradient from the aggregated ``values`` at ``indices``."""
         self.pending.bytes_sent, self.pending.bytes_received = self.bytes_sent, self.bytes_received
-        return self.comm.decode_into(self.out, self.reduction, values, indices)
+        self.comm.decode_into(self.out, self.reduction, values, indices)
 
 
 class _BalancedParallelism(_Run):
@@ -152,7 +154,7 @@ class _BalancedParallelism(_Run):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         comm, n = self.comm, self.size
-        self.h0 = h0 = hash_family(comm.seed, 1, n)[0]
+        self.h0 = h0 = AffinePartition(comm.seed, self.numel, n)
         load = max(1, math.ceil(self.indices.numel() / n))
         r1 = comm.hash_slots or max(1, math.ceil(comm.memory * load))
         hashed = hierarchical_hash(self.indices, h0, hash_family(comm.seed + 1, comm.rehash, r1), r1, max(1, r1 // 10))
@@ -166,29 +168,28 @@ class _BalancedParallelism(_Run):
     def _collect(self):
         got = self.push.wait()
         self.bytes_received += self.push.bytes_received
-        sets, where = owned_sets(self.numel, self.h0.a, self.h0.b, self.size, str(self.device))
-        mine = sets[self.me]
         values, indices = self.codec.decode(torch.cat(got))
-        local = torch.zeros(mine.numel(), dtype=self.dtype, device=self.device)
-        local.index_add_(0, where[indices], values)  # aggregation on the owner
-        touched = torch.zeros(mine.numel(), dtype=torch.bool, device=self.device)
-        touched[where[indices]] = True
-        sent, _ = self.comm.compression.compress(local[touched])
+        # aggregation on the owner, in the order of its index set 𝕀_me (the bitmap's order)
+        local = SparseSum(self.h0.position(indices, self.me), values)
+        touched = torch.zeros(self.h0.size(self.me), dtype=torch.bool, device=self.device)
+        touched[local.indices] = True
+        sent, _ = self.comm.compression.compress(local.values)
         payload = torch.cat([bitmap_encode(touched), sent.contiguous().view(torch.uint8)])
         gathered = wait(hvd.allgather_async(payload, name=collective(f"saf.zen.{self.tag}.pull"), process_set=self.ps))
         self.bytes_sent += payload.numel()
         self.bytes_received += gathered.numel() - payload.numel()
-        return gathered, sets, sent.dtype
+        return gathered, sent.dtype
 
-    def _decode(self, raw) -> torch.Tensor:
-        gathered, sets, wire_dtype = raw
+    def _decode(self, raw) -> None:
+        gathered, wire_dtype = raw
         esize = torch.empty(0, dtype=wire_dtype).element_size()
         offset, indices, values = 0, [], []
-        for owned in sets:  # rank order: [bitmap | values] per owner; the owners' index sets are disjoint
-            nbytes = (owned.numel() + 7) // 8
-            bits = bitmap_decode(gathered[offset:offset + nbytes], owned.numel())
+        for owner in range(self.size):  # rank order: [bitmap | values] per owner; the owners' index sets are disjoint
+            owned = self.h0.size(owner)
+            nbytes = (owned + 7) // 8
+            bits = bitmap_decode(gathered[offset:offset + nbytes], owned)
             offset += nbytes
-            idx = owned[bits]
+            idx = self.h0.members(owner, torch.nonzero(bits).squeeze(1))
             raw_values = gathered[offset:offset + idx.numel() * esize].clone().view(wire_dtype)
             offset += idx.numel() * esize
             indices.append(idx)
@@ -198,20 +199,18 @@ class _BalancedParallelism(_Run):
         self.comm.history.append({"tag": self.tag, "scheme": "bp", "push_imbalance": n * max(self.push_counts) / local,
                                   "pull_imbalance": n * max(pulled) / union, "serial": self.serial,
                                   "overflow": self.overflow, "selected": self.indices.numel(), "union": sum(pulled)})
-        return self._finish(torch.cat(values), torch.cat(indices))
+        self._finish(torch.cat(values), torch.cat(indices))
 
 
 class _HierarchicalCentralization(_Run):
-    """Recursive doubling with aggregation at every stage (folding workers beyond a power of two)."""
+    """Recursive doubling with aggregation at every stage (folding workers beyond a power of two);
+    the aggregate is held sparse (:class:`~.p2p.SparseSum`)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         n = self.size
         self.pow2 = 1 << (n.bit_length() - 1)
-        self.acc = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.acc.index_add_(0, self.indices, self.codec.round(self.values))
-        self.present = torch.zeros(self.numel, dtype=torch.bool, device=self.device)
-        self.present[self.indices] = True
+        self.acc = SparseSum(self.indices, self.codec.round(self.values))
         self.received: list[int] = []
         # stage 0: fold the workers beyond the largest power of two into the first ones
         dest = self.me - self.pow2 if self.me >= self.pow2 else self.me
@@ -219,8 +218,7 @@ class _HierarchicalCentralization(_Run):
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
     def _send(self, dest: int, label: str) -> Exchange:
-        idx = torch.nonzero(self.present).squeeze(1) if dest != self.me else torch.zeros(0, dtype=torch.int64)
-        rows = self.codec.encode(self.acc[idx], idx)
+        rows = self.codec.encode(self.acc.values, self.acc.indices) if dest != self.me else self.codec.empty(self.device)
         ex = Exchange(send_to(rows, dest, self.size, self.codec.empty(self.device)), collective(f"saf.zen.{self.tag}.{label}"), self.ps)
         self.bytes_sent += ex.bytes_sent
         return ex
@@ -229,9 +227,9 @@ class _HierarchicalCentralization(_Run):
         got = ex.wait()
         self.bytes_received += ex.bytes_received
         values, indices = self.codec.decode(torch.cat(got))  # nothing is ever sent to oneself
-        self.acc.index_add_(0, indices, values)
-        self.acc[indices] = self.codec.round(self.acc[indices])  # what travels next, on both sides
-        self.present[indices] = True
+        self.acc.merge(indices, values)
+        at = torch.searchsorted(self.acc.indices, indices)
+        self.acc.values[at] = self.codec.round(self.acc.values[at])  # what travels next, on both sides
         return indices.numel()
 
     def _collect(self):
@@ -245,16 +243,14 @@ class _HierarchicalCentralization(_Run):
         extra = self.me + self.pow2 if self.me + self.pow2 < self.size else self.me
         unfold = self._send(extra if active else self.me, "unfold")
         if not active:  # take the result as it is: the same sums as everywhere else
-            self.acc.zero_()
-            self.present.zero_()
+            self.acc = SparseSum(self.indices[:0], self.values[:0])
         self._absorb(unfold)
         return self.acc
 
-    def _decode(self, _raw) -> torch.Tensor:
-        union = int(self.present.sum())
+    def _decode(self, _raw) -> None:
+        union = len(self.acc)
         stats = np.array([self.indices.numel(), *self.received, union], dtype=np.float64)
         self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
                                   "union": union, "stages": list(self.received)})
-        result = self._finish(self.acc, None)
+        self._finish(self.acc.values, self.acc.indices)
         self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0)
-        return result

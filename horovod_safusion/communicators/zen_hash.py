@@ -12,14 +12,17 @@ the losers rehash; the serial area takes whatever is left and grows as needed (i
 input (plus one; 0 = empty) rather than the indices themselves, so values are read with the same
 gather. A CUDA kernel for the hashing is not part of this module (PyTorch runs everywhere).
 
-Algorithm 2: the set of indices owned by partition i, 𝕀_i = {idx | h0(idx) = i}, is computed
-once per tensor size and sorted; a server announces its aggregated indices as a bitmap over 𝕀_i
-(|𝕀_i|/8 bytes) instead of COO indices, and receivers decode ``𝕀_i[nonzero(bits)]``.
+Algorithm 2: a server announces its aggregated indices as a bitmap over the set of indices it
+owns, 𝕀_i = {idx | h0(idx) = i} (|𝕀_i|/8 bytes), instead of COO indices, and receivers decode
+``𝕀_i[nonzero(bits)]``. Balanced Parallelism's h0 is an :class:`AffinePartition`, whose sets
+are enumerated on the fly rather than stored (a stored 𝕀_i costs the buffer's length in
+indices); the rehash functions h1..hk of Algorithm 1 are Carter–Wegman hashes.
 """
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -60,7 +63,7 @@ class HashResult:
     overflow: int
 
 
-def hierarchical_hash(indices: torch.Tensor, h0: UniversalHash, rehash: list[UniversalHash],
+def hierarchical_hash(indices: torch.Tensor, h0: "UniversalHash | AffinePartition", rehash: list[UniversalHash],
                       r1: int, r2: int) -> HashResult:
     """ZEN Algorithm 1 over unique int64 ``indices``: partition by ``h0``, k rehash rounds into
     ``r1`` slots per partition, then the serial area; lossless by construction."""
@@ -91,19 +94,50 @@ def hierarchical_hash(indices: torch.Tensor, h0: UniversalHash, rehash: list[Uni
     return HashResult(positions, counts, sum(max(0, c - r2) for c in counts))
 
 
-@lru_cache(maxsize=64)
-def owned_sets(numel: int, a: int, b: int, n: int, device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor]:
-    """𝕀_i for every partition (sorted int64 index tensors) and each index's position in its 𝕀_i
-    (int64, ``numel``). Computed once per tensor size and hash (ZEN §3.3.2)."""
-    idx = torch.arange(numel, device=device)
-    owner = UniversalHash(a, b, n)(idx)
-    order = torch.argsort(owner, stable=True)
-    sizes = torch.bincount(owner, minlength=n)
-    sets = list(torch.split(idx[order], sizes.tolist()))
-    starts = torch.cumsum(sizes, 0) - sizes
-    where = torch.empty(numel, dtype=torch.int64, device=device)
-    where[order] = torch.arange(numel, device=device) - starts[owner[order]]
-    return sets, where
+class AffinePartition:
+    """h0 of Balanced Parallelism over one buffer of ``numel`` indices, with index sets that are
+    enumerated rather than stored: ``π(x) = (a·x + b) mod numel`` with ``a`` coprime to ``numel``
+    is a permutation of the buffer's indices, and partition ``i`` owns the indices whose ``π``
+    falls in the i-th of ``n`` equal ranges. An index's position in 𝕀_i (its hash-bitmap bit,
+    Algorithm 2) is ``π(x)`` minus the range's start, and the owner of bit ``j`` decodes as
+    ``π⁻¹(start + j)``. ZEN §3.3.2 computes the sets 𝕀_i once per tensor size and keeps them: for
+    a Carter–Wegman h0 that is the buffer's length in indices, 8 bytes per gradient element (a
+    second model's worth of memory per layout), which this h0 does not need. A random ``a``
+    spreads a run of consecutive indices (an embedding's hot rows) over all ranges, as h0's
+    balance (Theorem 2) requires; :attr:`Zen.history` records the imbalance actually seen.
+
+    Args:
+        seed: shared by all workers (ZEN §4: drawn on one worker and broadcast).
+        numel: the buffer's size; ``n``: the number of partitions.
+    """
+
+    def __init__(self, seed: int, numel: int, n: int) -> None:
+        rng = random.Random(seed * 1_000_003 + numel)
+        a = rng.randrange(1, max(2, numel))
+        while math.gcd(a, numel) != 1:
+            a = rng.randrange(1, max(2, numel))
+        self.a, self.b, self.numel, self.buckets = a, rng.randrange(0, max(1, numel)), numel, n
+        self.inverse = pow(a, -1, numel) if numel > 1 else 0
+        self.bounds = [-(-i * numel // n) for i in range(n + 1)]  # π ∈ [bounds[i], bounds[i + 1]) ⟺ owner i
+
+    def _pi(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.a + self.b) % self.numel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The partition (owner) of every index of ``x`` (int64)."""
+        return self._pi(x) * self.buckets // self.numel
+
+    def position(self, x: torch.Tensor, owner: int) -> torch.Tensor:
+        """Positions in 𝕀_owner of indices ``x`` that ``owner`` owns."""
+        return self._pi(x) - self.bounds[owner]
+
+    def members(self, owner: int, positions: torch.Tensor) -> torch.Tensor:
+        """The indices at ``positions`` of 𝕀_owner."""
+        return (positions + self.bounds[owner] - self.b) % self.numel * self.inverse % self.numel
+
+    def size(self, owner: int) -> int:
+        """|𝕀_owner|."""
+        return self.bounds[owner + 1] - self.bounds[owner]
 
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)

@@ -21,7 +21,6 @@ Where the CPU path takes a data-dependent branch, the device path takes it on th
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Callable
 
@@ -30,13 +29,11 @@ import torch
 
 from .. import kernels
 from ..segment import Segments
-from .segmented import NumbaKernels
 
 
 def on_host(flat: torch.Tensor) -> bool:
     """Whether ``flat`` is selected by the compiled CPU kernels rather than the device path."""
-    return (flat.device.type == "cpu" and flat.dtype in NumbaKernels.DTYPES
-            and os.environ.get("HOROVOD_SAFUSION_DEVICE_PATH", "0") != "1")
+    return kernels.on_host(flat)
 
 
 @lru_cache(maxsize=256)

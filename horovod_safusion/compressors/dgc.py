@@ -19,6 +19,10 @@ from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
 
 
+#: A segment whose sample would exceed 1/EXACT_SHARE of it takes its exact k-th largest instead.
+EXACT_SHARE = 16
+
+
 @register_compressor("dgc")
 class DGC(PeriodicThreshold):
     """Sampled threshold per segment, re-estimated every ``interval`` steps or on drift.
@@ -27,7 +31,8 @@ class DGC(PeriodicThreshold):
         density: target fraction of elements per segment.
         sample_rate: fraction of a segment sampled to estimate its threshold (DGC uses
             0.001–0.01). Larger is more accurate and slower.
-        min_samples: a segment smaller than this is thresholded exactly (sampling buys nothing).
+        min_samples: the fewest samples per segment; a segment whose sample would be more than
+            1/16 of it is thresholded exactly (sampling buys nothing).
         interval: steps between threshold estimations; 1 estimates every step. Larger is cheaper
             but lets the actual density drift while residuals grow.
         drift: a threshold whose count leaves ``[k / drift − 1, drift · (k + 1)]`` is corrected at once
@@ -51,14 +56,17 @@ class DGC(PeriodicThreshold):
 
     def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
         """Per segment, the ``(1 − density)`` quantile of a random sample of its ``|x|``, the
-        sample doubled per ``effort``; exact where the sample would hold the whole segment
-        (below ``min_samples`` elements). The samples of all segments are drawn at once (uniform,
-        with replacement) and their quantiles taken in one call."""
+        sample doubled per ``effort``; exact where the sample would hold more than
+        1/:data:`EXACT_SHARE` of the segment: the exact k-th largest (radix selection, a few
+        passes over the segment and no copy) then costs about what sampling does, and a sample
+        of a large tensor would take several times the tensor's memory (a position and a value
+        per draw). The samples of all segments are drawn at once (uniform, with replacement) and
+        their quantiles taken in one call."""
         n = view.sizes[which]
         samples = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64),
                                            self.min_samples) << effort)
         out = np.empty(len(which), dtype=np.float64)
-        exact = samples >= n
+        exact = samples * EXACT_SHARE >= n
         out[exact] = view.kth_largest(which[exact], ks[exact])
         sampled = ~exact
         if sampled.any():

@@ -9,9 +9,12 @@ long as the buffer). The loops here, compiled by Numba, visit every segment in o
 segment costs nanoseconds, an element one comparison, and the selected indices come out
 ascending with their count per segment, with no mask and no ``nonzero``.
 
-:class:`NumbaKernels` (CPU, float32 and float64) does these operations on ``a = |x|``, taking the
-per-segment arguments as NumPy arrays (other devices and dtypes take the device path,
-:mod:`~horovod_safusion.compressors.device`, which reads nothing back to the host):
+:class:`NumbaKernels` (CPU, float32 and float64) does these operations on ``|x|``, taken element
+by element from the buffer itself (no copy of ``|x|``), with the per-segment arguments as NumPy
+arrays (other devices and dtypes take the device path, :mod:`~horovod_safusion.compressors.device`,
+which reads nothing back to the host). Selected indices go into an :class:`IndexScratch` that the
+kernels grow when a selection runs past it, so it is as long as the largest selection, not as the
+buffer:
 
 * :meth:`select` — every segment against its threshold;
 * :meth:`select_within` — the same, with counts outside a :class:`Band` corrected while the
@@ -22,10 +25,13 @@ per-segment arguments as NumPy arrays (other devices and dtypes take the device 
 * :meth:`reselect` — some segments again: a raised threshold filters the segment's current
   selection (cost ∝ selected; DGC's hierarchical selection), others are compared anew;
 * :meth:`select_top` (compiled only) — exactly the k largest per segment, by radix selection;
-* :meth:`kth_largest` — the k-th largest of runs of ``a`` or of ``a[idx]`` (exact thresholds,
-  DGC's samples, the hierarchical step among a segment's candidates);
-* :meth:`exceedance_moments` — count, mean and variance of ``a − η`` over ``a > η`` per segment
-  (SIDCo's multi-stage fits).
+* :meth:`kth_largest` — the k-th largest ``|x|`` of runs of ``x`` (exact thresholds, by radix
+  selection over the run, with no copy of it) or of ``x[idx]`` (DGC's samples, the hierarchical
+  step among a segment's candidates);
+* :meth:`exceedance_moments` — count, mean and variance of ``|x| − η`` over ``|x| > η`` per
+  segment (SIDCo's multi-stage fits);
+* :meth:`abs_stats`, :meth:`sums` — per-segment ``max |x|`` and ``Σ |x|`` in one pass, ``Σ x``
+  and ``Σ x²``.
 """
 from __future__ import annotations
 
@@ -43,66 +49,107 @@ POSITIVE = float(np.finfo(np.float64).tiny)
 
 
 @_jit
-def _compare(a, o, size, t, out, n):  # pragma: no cover - compiled
-    """Append the indices ``i`` in ``[o, o + size)`` with ``a[i] >= t`` to ``out[n:]``; the new n.
-    (Iterating over the slice, rather than indexing ``a[i]``, compiles to a loop without index
-    checks.) Never selects an exact zero."""
+def _grow(out, n):  # pragma: no cover - compiled
+    """``out`` with room for more than ``n`` indices (doubled), its first ``n`` kept."""
+    bigger = np.empty(max(2 * out.size, n + 1, 1024), dtype=out.dtype)
+    bigger[:n] = out[:n]
+    return bigger
+
+
+@_jit
+def _compare(x, o, size, t, out, n):  # pragma: no cover - compiled
+    """Append the indices ``i`` in ``[o, o + size)`` with ``|x[i]| >= t`` to ``out[n:]`` (grown
+    when full); ``(out, the new n)``. (Iterating over the slice, rather than indexing ``x[i]``,
+    compiles to a loop without index checks.) Never selects an exact zero."""
     t = max(t, POSITIVE)
     i = o
-    for x in a[o:o + size]:
-        if x >= t:
+    for v in x[o:o + size]:
+        if abs(v) >= t:
+            if n == out.size:
+                out = _grow(out, n)
             out[n] = i
             n += 1
         i += 1
-    return n
+    return out, n
 
 
 @_jit
-def _keep(a, src, start, stop, t, dst, n):  # pragma: no cover - compiled
-    """Append the indices ``i`` of ``src[start:stop]`` with ``a[i] >= t`` to ``dst[n:]``; the new n.
-    ``dst`` may be ``src`` with ``n <= start`` (filtering a run in place). Never keeps an exact zero."""
+def _keep(x, src, start, stop, t, dst, n):  # pragma: no cover - compiled
+    """Append the indices ``i`` of ``src[start:stop]`` with ``|x[i]| >= t`` to ``dst[n:]`` (grown
+    when full); ``(dst, the new n)``. ``dst`` may be ``src`` with ``n <= start`` (filtering a run
+    in place, which never grows it). Never keeps an exact zero."""
     t = max(t, POSITIVE)
     for j in range(start, stop):
-        if a[src[j]] >= t:
-            dst[n] = src[j]
+        i = src[j]
+        if abs(x[i]) >= t:
+            if n == dst.size:
+                dst = _grow(dst, n)
+            dst[n] = i
             n += 1
-    return n
+    return dst, n
 
 
 @_jit
-def _select(a, offsets, sizes, thr, out, counts):  # pragma: no cover - compiled
+def _select(x, offsets, sizes, thr, out, counts):  # pragma: no cover - compiled
     n = 0
     for s in range(offsets.size):
         first = n
         if thr[s] < np.inf:  # an infinite threshold (an all-zero segment) selects nothing
-            n = _compare(a, offsets[s], sizes[s], thr[s], out, n)
+            out, n = _compare(x, offsets[s], sizes[s], thr[s], out, n)
         counts[s] = n - first
-    return n
+    return out, n
+
+
+@_jit
+def _abs_stats(x, offsets, sizes, mx, total):  # pragma: no cover - compiled
+    """Per segment, ``max |x|`` and ``Σ |x|`` (float64 accumulation) in one pass."""
+    for s in range(offsets.size):
+        m, acc = 0.0, 0.0
+        for v in x[offsets[s]:offsets[s] + sizes[s]]:
+            a = abs(v)
+            if a > m:
+                m = a
+            acc += a
+        mx[s], total[s] = m, acc
+
+
+@_jit
+def _sums(x, offsets, sizes, squares, out):  # pragma: no cover - compiled
+    """Per segment, ``Σ x`` (``squares``: ``Σ x²``), float64 accumulation."""
+    for s in range(offsets.size):
+        acc = 0.0
+        for v in x[offsets[s]:offsets[s] + sizes[s]]:
+            w = np.float64(v)
+            acc += w * w if squares else w
+        out[s] = acc
 
 
 @_jit
 def _split(hist, lo, hi, k):  # pragma: no cover - compiled
     """In ``hist[lo:hi + 1]`` (zeroed on the way): the highest bin ``b`` such that bins ``>= b``
-    hold at least ``k``, and how many bins ``> b`` hold."""
+    hold at least ``k``, how many bins ``> b`` hold, and how many bin ``b`` holds."""
     above, b = 0, lo
     for h in range(hi, lo - 1, -1):
         if above + hist[h] >= k:
             b = h
             break
         above += hist[h]
+    inside = hist[b]
     hist[lo:hi + 1] = 0
-    return b, above
+    return b, above, inside
 
 
 @_jit
-def _select_top(bits, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: no cover - compiled
-    """Exactly ``min(ks[s], sizes[s])`` indices per segment, of its largest values, by radix
-    selection on ``bits`` (the values' IEEE bits as unsigned integers, which order non-negative
-    floats as the floats): a histogram of the top 12 bits finds the bin of the k-th largest, one
-    more pass takes everything above it and keeps the bin's elements as candidates, and the next
-    12 bits split the candidates until the count is exact; candidates whose bits are all equal
-    (ties) are taken first come, first served. Only the bins between the lowest and the highest
-    one used are scanned and cleared, so a small segment costs little."""
+def _select_top(bits, mask, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: no cover - compiled
+    """Exactly ``min(ks[s], sizes[s])`` indices per segment, of its largest magnitudes, by radix
+    selection on ``bits & mask`` (the values' IEEE bits without the sign, as unsigned integers,
+    which order magnitudes as the floats do): a histogram of the top 12 bits finds the bin of the
+    k-th largest, one more pass takes everything above it and keeps the bin's elements as
+    candidates, and the next 12 bits split the candidates until the count is exact; candidates
+    whose bits are all equal (ties) are taken first come, first served. Only the bins between the
+    lowest and the highest one used are scanned and cleared, so a small segment costs little.
+    ``out`` holds ``Σ min(ks, sizes)``; ``cand`` grows to the largest candidate bin and is
+    returned."""
     hist = np.zeros(4096, dtype=np.int64)
     n = 0
     for s in range(offsets.size):
@@ -111,13 +158,15 @@ def _select_top(bits, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: 
         shift = nbits - 12
         lo, hi = 4095, 0
         for x in bits[o:o + size]:
-            h = x >> shift
+            h = np.int64((x & mask) >> shift)
             hist[h] += 1
             lo, hi = min(lo, h), max(hi, h)
-        b, above = _split(hist, lo, hi, need)
+        b, above, inside = _split(hist, lo, hi, need)
+        if inside > cand.size:
+            cand = np.empty(inside, dtype=cand.dtype)
         c, i = 0, o
         for x in bits[o:o + size]:
-            h = x >> shift
+            h = np.int64((x & mask) >> shift)
             if h > b:
                 out[n] = i
                 n += 1
@@ -130,13 +179,13 @@ def _select_top(bits, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: 
             shift = max(shift - 12, 0)
             lo, hi = 4095, 0
             for j in range(c):
-                h = (bits[cand[j]] >> shift) & 4095
+                h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
                 hist[h] += 1
                 lo, hi = min(lo, h), max(hi, h)
-            b, above = _split(hist, lo, hi, need)
+            b, above, inside = _split(hist, lo, hi, need)
             kept = 0
             for j in range(c):
-                h = (bits[cand[j]] >> shift) & 4095
+                h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
                 if h > b:
                     out[n] = cand[j]
                     n += 1
@@ -148,62 +197,62 @@ def _select_top(bits, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: 
             out[n] = cand[j]
             n += 1
         counts[s] = n - first
-    return n
+    return n, cand
 
 
 @_jit
-def _trim(a, out, first, n, k, scratch, s):  # pragma: no cover - compiled
-    """Keep the ``k`` largest of the selection ``out[first:n]`` (DGC's hierarchical selection):
-    their minimum becomes the threshold ``scratch[s]``; the new n."""
+def _trim(x, out, first, n, k, scratch, s):  # pragma: no cover - compiled
+    """Keep the ``k`` largest magnitudes of the selection ``out[first:n]`` (DGC's hierarchical
+    selection): their minimum becomes the threshold ``scratch[s]``; the new n."""
     c = n - first
-    scratch[s] = np.partition(a[out[first:n]], c - k)[c - k]
-    return _keep(a, out, first, n, scratch[s], out, first)
+    scratch[s] = np.partition(np.abs(x[out[first:n]]), c - k)[c - k]
+    return _keep(x, out, first, n, scratch[s], out, first)[1]
 
 
 @_jit
-def _select_within(a, offsets, sizes, thr, ks, low, high, lower, scale, out, counts,
+def _select_within(x, offsets, sizes, thr, ks, low, high, lower, scale, out, counts,
                    chosen):  # pragma: no cover - compiled
     """:func:`_select`, corrected per segment while the segment is in cache: a count above
     ``high[s]`` is trimmed to the ``ks[s]`` largest; one below ``low[s]``, where ``lower[s]``,
     lowers the threshold along an exponential tail of scale ``scale[s]`` (``count ∝ exp(−τ/scale)``,
     so ``τ − scale · ln(k / count)`` selects about k) and compares the segment again, at most
     three times, then trims to ``ks[s]``. ``chosen[s]`` receives the threshold applied in the end
-    (in ``a``'s dtype)."""
+    (in ``x``'s dtype)."""
     n = 0
     for s in range(offsets.size):
         first, t = n, thr[s]
         chosen[s] = t
         if t < np.inf:
-            n = _compare(a, offsets[s], sizes[s], t, out, n)
+            out, n = _compare(x, offsets[s], sizes[s], t, out, n)
             lowered = False
             if lower[s]:
                 tries = 0
                 while n - first < low[s] and tries < 3 and t > 0:
                     chosen[s] = max(t - scale[s] * np.log(ks[s] / max(n - first, 1)), 0.0)
-                    t = chosen[s]  # rounded to a's dtype
-                    n = _compare(a, offsets[s], sizes[s], t, out, first)
+                    t = chosen[s]  # rounded to x's dtype
+                    out, n = _compare(x, offsets[s], sizes[s], t, out, first)
                     lowered, tries = True, tries + 1
             if n - first > high[s] or (lowered and n - first > ks[s]):
-                n = _trim(a, out, first, n, ks[s], chosen, s)
+                n = _trim(x, out, first, n, ks[s], chosen, s)
         counts[s] = n - first
-    return n
+    return out, n
 
 
 @_jit
-def _select_stepped(a, offsets, sizes, start, top, low, high, up, down, passes, out, counts,
+def _select_stepped(x, offsets, sizes, start, top, low, high, up, down, passes, out, counts,
                     chosen):  # pragma: no cover - compiled
     """:func:`_select` from the thresholds ``start`` (float64, unclipped), then per segment, while
     its count is outside ``[low[s], high[s]]`` and at most ``passes`` times, the threshold times
     ``up`` (too many: the selection is filtered) or ``down`` (too few: the segment is compared
     anew); what is applied is clipped to the segment's maximum ``top[s]``, and ``chosen[s]``
-    receives the threshold applied in the end (in ``a``'s dtype)."""
+    receives the threshold applied in the end (in ``x``'s dtype)."""
     n = 0
     for s in range(offsets.size):
         first, u = n, start[s]
         chosen[s] = min(u, top[s]) if u < np.inf else u
         if u < np.inf:
             t = chosen[s]
-            n = _compare(a, offsets[s], sizes[s], t, out, n)
+            out, n = _compare(x, offsets[s], sizes[s], t, out, n)
             for _ in range(passes):
                 c = n - first
                 if low[s] <= c <= high[s]:
@@ -212,57 +261,94 @@ def _select_stepped(a, offsets, sizes, start, top, low, high, up, down, passes, 
                 chosen[s] = min(u, top[s])
                 raised, t = chosen[s] >= t, chosen[s]
                 if raised:  # a subset of the selection
-                    n = _keep(a, out, first, n, t, out, first)
+                    n = _keep(x, out, first, n, t, out, first)[1]
                 else:
-                    n = _compare(a, offsets[s], sizes[s], t, out, first)
+                    out, n = _compare(x, offsets[s], sizes[s], t, out, first)
         counts[s] = n - first
-    return n
+    return out, n
 
 
 @_jit
-def _reselect(a, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pragma: no cover
+def _reselect(x, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pragma: no cover
     n = pos = 0
     for s in range(offsets.size):
         first, t, c = n, thr[s], counts[s]
         if mode[s] == 0:  # kept
             for j in range(pos, pos + c):
+                if n == out.size:
+                    out = _grow(out, n)
                 out[n] = idx[j]
                 n += 1
         elif mode[s] == 1:  # a raised threshold: a subset of the current selection
-            n = _keep(a, idx, pos, pos + c, t, out, n)
+            out, n = _keep(x, idx, pos, pos + c, t, out, n)
         elif t < np.inf:  # compared anew
-            n = _compare(a, offsets[s], sizes[s], t, out, n)
+            out, n = _compare(x, offsets[s], sizes[s], t, out, n)
         new_counts[s] = n - first
         pos += c
-    return n
+    return out, n
 
 
 @_jit
-def _kth_largest(a, starts, lengths, ks, out):  # pragma: no cover - compiled
+def _kth_bits(bits, mask, o, size, k, nbits, hist):  # pragma: no cover - compiled
+    """The bits of the k-th largest of ``bits[o:o + size] & mask`` (the values' bits as signed
+    integers, ``mask`` clearing the sign: the magnitudes' order; ``1 <= k <= size``), by radix
+    selection: a histogram of the top 12 bits finds the bin of the k-th largest, and each next
+    pass counts only the elements whose higher bits match the bins found so far, 12 bits at a
+    time. A few passes over the segment and no copy of it."""
+    prefix = np.int64(0)  # the bits found so far
+    shift = nbits
+    while shift > 0:
+        width = min(12, shift)
+        shift -= width
+        field = (1 << width) - 1
+        hist[:field + 1] = 0
+        high = min(shift + width, 63)  # bits at and above it are fixed by the prefix (the sign bit is 0)
+        for x in bits[o:o + size]:
+            v = np.int64(x) & mask
+            if (v >> high) == (prefix >> high):
+                hist[(v >> shift) & field] += 1
+        above = 0
+        b = 0
+        for h in range(field, -1, -1):
+            if above + hist[h] >= k:
+                b = h
+                break
+            above += hist[h]
+        k -= above
+        prefix = prefix | (b << shift)
+    return prefix
+
+
+@_jit
+def _kth_largest(bits, mask, nbits, starts, lengths, ks, out):  # pragma: no cover - compiled
+    """``out[j]``: the bits of the ``ks[j]``-th largest magnitude of run ``j`` (0 if empty)."""
+    hist = np.zeros(4096, dtype=np.int64)
+    for j in range(starts.size):
+        n = lengths[j]
+        if n == 0:
+            out[j] = 0
+            continue
+        out[j] = _kth_bits(bits, mask, starts[j], n, min(max(ks[j], 1), n), nbits, hist)
+
+
+@_jit
+def _kth_largest_at(x, idx, starts, lengths, ks, out):  # pragma: no cover - compiled
     for j in range(starts.size):
         n = lengths[j]
         k = min(max(ks[j], 1), n)
-        out[j] = np.partition(a[starts[j]:starts[j] + n], n - k)[n - k] if n > 0 else 0.0
+        out[j] = np.partition(np.abs(x[idx[starts[j]:starts[j] + n]]), n - k)[n - k] if n > 0 else 0.0
 
 
 @_jit
-def _kth_largest_at(a, idx, starts, lengths, ks, out):  # pragma: no cover - compiled
-    for j in range(starts.size):
-        n = lengths[j]
-        k = min(max(ks[j], 1), n)
-        out[j] = np.partition(a[idx[starts[j]:starts[j] + n]], n - k)[n - k] if n > 0 else 0.0
-
-
-@_jit
-def _exceedance_moments(a, offsets, sizes, eta, inclusive, count, mean, var):  # pragma: no cover
+def _exceedance_moments(x, offsets, sizes, eta, inclusive, count, mean, var):  # pragma: no cover
     for j in range(offsets.size):
         c, s1, s2, e = 0, 0.0, 0.0, eta[j]
-        for y in a[offsets[j]:offsets[j] + sizes[j]]:
-            x = y - e
-            if x > 0.0 or (inclusive and x == 0.0):
+        for y in x[offsets[j]:offsets[j] + sizes[j]]:
+            d = abs(y) - e
+            if d > 0.0 or (inclusive and d == 0.0):
                 c += 1
-                s1 += x
-                s2 += x * x
+                s1 += d
+                s2 += d * d
         count[j] = c
         m = s1 / c if c else 0.0
         mean[j], var[j] = m, max(s2 / c - m * m, 0.0) if c else 0.0
@@ -293,8 +379,44 @@ class Band:
     scale: np.ndarray
 
 
+class IndexScratch:
+    """Room for the selected indices of one buffer at a time, in two slots (a re-selection reads
+    the previous selection from one while it writes the other). A slot starts at the size the
+    caller expects (about ``2 Σ k``: a selection is corrected into a band around k) and the
+    kernels grow it when a selection runs past it, so the scratch is as long as the largest
+    selection seen, not as the buffer (8 bytes per gradient element, twice, before)."""
+
+    def __init__(self) -> None:
+        self._slots: list[np.ndarray] = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
+        self.candidates = np.empty(0, dtype=np.int64)  # :meth:`NumbaKernels.select_top`'s bin
+
+    def reserve(self, expected: int) -> None:
+        """Make both slots at least ``expected`` long (what the next selections should need)."""
+        for slot in (0, 1):
+            if self._slots[slot].size < expected:
+                self._slots[slot] = np.empty(expected, dtype=np.int64)
+
+    def get(self, slot: int, expected: int = 0) -> np.ndarray:
+        """Slot ``slot``, at least ``expected`` long."""
+        if self._slots[slot].size < expected:
+            self._slots[slot] = np.empty(expected, dtype=np.int64)
+        return self._slots[slot]
+
+    def keep(self, slot: int, grown: np.ndarray) -> None:
+        """Keep what a kernel returned for slot ``slot`` (itself, or a grown copy)."""
+        self._slots[slot] = grown
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._slots) + self.candidates.nbytes
+
+
 class NumbaKernels:
-    """The segmented operations on CPU NumPy arrays (views of the tensors' memory), compiled."""
+    """The segmented operations on CPU NumPy arrays (views of the tensors' memory), compiled.
+
+    ``x`` is the buffer itself (float32 or float64): the kernels compare, sum and rank ``|x|``
+    element by element, so no copy of ``|x|`` exists. Methods that select take an
+    :class:`IndexScratch` slot and keep whatever it grew into."""
 
     DTYPES = (torch.float32, torch.float64)
 
@@ -305,76 +427,97 @@ class NumbaKernels:
     def wrap(t: torch.Tensor) -> np.ndarray:
         return t.numpy()
 
-    def segment_max(self, a: np.ndarray) -> np.ndarray:
-        return np.maximum.reduceat(a, self.offsets).astype(np.float64)
+    def abs_stats(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment ``max |x|`` (exact, as float64) and ``Σ |x|`` (float64 accumulation), in
+        one pass."""
+        mx, total = np.empty(len(self.offsets)), np.empty(len(self.offsets))
+        _abs_stats(x, self.offsets, self.sizes, mx, total)
+        return mx, total
 
-    def segment_sum(self, a: np.ndarray) -> np.ndarray:
-        """Per-segment sums in ``a``'s precision, returned as float64: a float32 ``reduceat`` into
-        a float64 accumulator converts every element and is several times slower."""
-        return np.add.reduceat(a, self.offsets, dtype=a.dtype).astype(np.float64)
+    def sums(self, x: np.ndarray, squares: bool = False) -> np.ndarray:
+        """Per segment ``Σ x`` or ``Σ x²`` (float64 accumulation)."""
+        out = np.empty(len(self.offsets))
+        _sums(x, self.offsets, self.sizes, squares, out)
+        return out
 
-    def select(self, a: np.ndarray, thr: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``a >= thr[s]`` in every segment ``s``: ascending indices (a view of ``out``, whose
-        length bounds the count) and the count per segment."""
+    def select(self, x: np.ndarray, thr: np.ndarray, scratch: IndexScratch, slot: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``|x| >= thr[s]`` in every segment ``s``: ascending indices (a view of the scratch slot)
+        and the count per segment."""
         counts = np.empty(len(self.offsets), dtype=np.int64)
-        n = _select(a, self.offsets, self.sizes, thr, out, counts)
+        out, n = _select(x, self.offsets, self.sizes, thr, scratch.get(slot), counts)
+        scratch.keep(slot, out)
         return out[:n], counts
 
-    def select_top(self, a: np.ndarray, ks: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-        """Indices of the ``ks[s]`` largest of each segment ``s`` of ``a`` (``a >= 0``), exactly
-        that many (ties: the first ones); ``scratch`` holds candidates (as long as a segment)."""
+    def select_top(self, x: np.ndarray, ks: np.ndarray, scratch: IndexScratch) -> np.ndarray:
+        """Indices of the ``ks[s]`` largest magnitudes of each segment ``s`` of ``x``, exactly that
+        many (ties: the first ones)."""
         counts = np.empty(len(self.offsets), dtype=np.int64)
-        bits = a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
-        n = _select_top(bits, self.offsets, self.sizes, ks, 8 * a.itemsize, out, counts, scratch)
+        utype = np.uint32 if x.dtype == np.float32 else np.uint64
+        bits = x.view(utype)
+        mask = utype(np.iinfo(utype).max >> 1)  # every bit but the sign
+        out = scratch.get(0, int(np.minimum(ks, self.sizes).sum()))
+        n, cand = _select_top(bits, mask, self.offsets, self.sizes, ks, 8 * x.itemsize, out, counts,
+                              scratch.candidates)
+        if cand.size <= 4 * out.size:  # a larger one served a bin of ties once: let it go
+            scratch.candidates = cand
         return out[:n]
 
-    def select_within(self, a: np.ndarray, thr: np.ndarray, band: Band,
-                      out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def select_within(self, x: np.ndarray, thr: np.ndarray, band: Band, scratch: IndexScratch,
+                      slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`select` with the counts held in ``band``: the indices, the counts and the
         threshold each segment ended with."""
         counts = np.empty(len(self.offsets), dtype=np.int64)
         chosen = thr.copy()
-        n = _select_within(a, self.offsets, self.sizes, thr, band.k, band.low, band.high, band.lower,
-                           band.scale, out, counts, chosen)
+        out, n = _select_within(x, self.offsets, self.sizes, thr, band.k, band.low, band.high, band.lower,
+                                band.scale, scratch.get(slot), counts, chosen)
+        scratch.keep(slot, out)
         return out[:n], counts, chosen
 
-    def select_stepped(self, a: np.ndarray, start: np.ndarray, steps: Steps, top: np.ndarray,
-                       out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def select_stepped(self, x: np.ndarray, start: np.ndarray, steps: Steps, top: np.ndarray,
+                       scratch: IndexScratch, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`select` from the unclipped float64 thresholds ``start`` (infinite: the segment
         selects nothing), with the counts corrected by ``steps`` and what is applied clipped to
         ``top``: the indices, the counts and the threshold each segment ended with."""
         counts = np.empty(len(self.offsets), dtype=np.int64)
         chosen = top.copy()
-        n = _select_stepped(a, self.offsets, self.sizes, start, top, steps.low, steps.high, steps.up, steps.down,
-                            steps.passes, out, counts, chosen)
+        out, n = _select_stepped(x, self.offsets, self.sizes, start, top, steps.low, steps.high, steps.up,
+                                 steps.down, steps.passes, scratch.get(slot), counts, chosen)
+        scratch.keep(slot, out)
         return out[:n], counts, chosen
 
-    def reselect(self, a: np.ndarray, idx: np.ndarray, counts: np.ndarray, mode: np.ndarray, thr: np.ndarray,
-                 out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The selection ``idx`` (ascending, in runs of ``counts``) with segment ``s`` kept
-        (``mode[s] == 0``), filtered to ``a >= thr[s]`` (1) or compared anew (2)."""
+    def reselect(self, x: np.ndarray, idx: np.ndarray, counts: np.ndarray, mode: np.ndarray, thr: np.ndarray,
+                 scratch: IndexScratch, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The selection ``idx`` (ascending, in runs of ``counts``; not in slot ``slot``) with
+        segment ``s`` kept (``mode[s] == 0``), filtered to ``|x| >= thr[s]`` (1) or compared anew
+        (2)."""
         new_counts = np.empty_like(counts)
-        n = _reselect(a, self.offsets, self.sizes, idx, counts, mode, thr, out, new_counts)
+        out, n = _reselect(x, self.offsets, self.sizes, idx, counts, mode, thr, scratch.get(slot, idx.size),
+                           new_counts)
+        scratch.keep(slot, out)
         return out[:n], new_counts
 
     @staticmethod
-    def kth_largest(a: np.ndarray, starts: np.ndarray, lengths: np.ndarray, ks: np.ndarray,
+    def kth_largest(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, ks: np.ndarray,
                     idx: np.ndarray | None = None) -> np.ndarray:
-        """The ``ks[j]``-th largest (clamped to ``[1, lengths[j]]``) of run ``j`` of ``a`` — or of
-        ``a[idx]`` when ``idx`` is given — starting at ``starts[j]``; 0 for an empty run."""
+        """The ``ks[j]``-th largest ``|x|`` (``ks`` clamped to ``[1, lengths[j]]``) of run ``j`` of
+        ``x`` — or of ``x[idx]`` when ``idx`` is given — starting at ``starts[j]``; 0 for an
+        empty run."""
+        if idx is None:  # on the magnitudes' bits, as signed integers of the values' width
+            itype = np.int32 if x.dtype == np.float32 else np.int64
+            found = np.empty(len(starts), dtype=np.int64)
+            _kth_largest(x.view(itype), np.int64(np.iinfo(itype).max), 8 * x.itemsize, starts, lengths, ks, found)
+            return found.astype(itype).view(x.dtype).astype(np.float64)
         out = np.empty(len(starts), dtype=np.float64)
-        if idx is None:
-            _kth_largest(a, starts, lengths, ks, out)
-        else:
-            _kth_largest_at(a, idx, starts, lengths, ks, out)
+        _kth_largest_at(x, idx, starts, lengths, ks, out)
         return out
 
-    def exceedance_moments(self, a: np.ndarray, segs: np.ndarray, eta: np.ndarray,
+    def exceedance_moments(self, x: np.ndarray, segs: np.ndarray, eta: np.ndarray,
                            inclusive: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per segment ``segs[j]``: count, mean and (population) variance of ``a − eta[j]`` over
-        the elements with ``a > eta[j]`` (``>=`` if ``inclusive``), in float64."""
+        """Per segment ``segs[j]``: count, mean and (population) variance of ``|x| − eta[j]`` over
+        the elements with ``|x| > eta[j]`` (``>=`` if ``inclusive``), in float64."""
         count, mean, var = (np.empty(len(segs), dtype=t) for t in (np.int64, np.float64, np.float64))
-        _exceedance_moments(a, self.offsets[segs], self.sizes[segs], eta.astype(np.float64), inclusive,
+        _exceedance_moments(x, self.offsets[segs], self.sizes[segs], eta.astype(np.float64), inclusive,
                             count, mean, var)
         return count, mean, var
 
@@ -393,15 +536,18 @@ def warm_up() -> None:
     offsets, sizes = np.array([0, 6], dtype=np.int64), np.array([6, 4], dtype=np.int64)
     ks = np.array([2, 1], dtype=np.int64)
     for dtype in (np.float32, np.float64):
-        a = np.linspace(0, 1, 10).astype(dtype)
-        kernels, out, scratch = NumbaKernels(offsets, sizes), np.empty(10, dtype=np.int64), np.empty(10, dtype=np.int64)
+        x = np.linspace(-1, 1, 10).astype(dtype)
+        kernels, scratch = NumbaKernels(offsets, sizes), IndexScratch()
+        kernels.abs_stats(x)
+        kernels.sums(x, squares=True)
         thr = np.array([0.5, 2.0], dtype=dtype)
-        idx, counts = kernels.select(a, thr, out)
-        kernels.reselect(a, idx.copy(), counts, np.array([1, 2], dtype=np.int8), thr, scratch)
+        idx, counts = kernels.select(x, thr, scratch, 0)
+        kernels.reselect(x, idx.copy(), counts, np.array([1, 2], dtype=np.int8), thr, scratch, 1)
         band = Band(k=ks, low=ks / 2 - 1, high=2.0 * (ks + 1), lower=np.array([True, True]), scale=np.ones(2))
-        kernels.select_within(a, thr, band, out)
-        kernels.select_stepped(a, np.array([0.5, 2.0]), Steps(ks / 2, 2.0 * ks, 1.3, 0.7, 3), np.ones(2, dtype=dtype), out)
-        kernels.select_top(a, ks, out, scratch)
-        kernels.kth_largest(a, offsets, sizes, ks)
-        kernels.kth_largest(a, offsets, sizes, ks, idx=np.arange(10, dtype=np.int64))
-        kernels.exceedance_moments(a, np.arange(2), np.zeros(2), True)
+        kernels.select_within(x, thr, band, scratch, 0)
+        kernels.select_stepped(x, np.array([0.5, 2.0]), Steps(ks / 2, 2.0 * ks, 1.3, 0.7, 3), np.ones(2, dtype=dtype),
+                               scratch, 1)
+        kernels.select_top(x, ks, scratch)
+        kernels.kth_largest(x, offsets, sizes, ks)
+        kernels.kth_largest(x, offsets, sizes, ks, idx=np.arange(10, dtype=np.int64))
+        kernels.exceedance_moments(x, np.arange(2), np.zeros(2), True)

@@ -31,40 +31,13 @@ import torch
 from ..segment import Segments
 from .base import Compressor
 from .device import DeviceView, Proposal, SegmentStats, on_host
-from .segmented import Band, NumbaKernels, Steps
+from .segmented import Band, IndexScratch, NumbaKernels, Steps
 from .state import PerSegment
 
-# A raised threshold filters the segment's current selection (a gather per selected element)
-# rather than comparing the whole segment again only while the selection is at most 1/FILTER_SHARE
-# of the segment: on the CPU we develop on, gathering and comparing cost 2 ns per selected element
-# in a 4 MB buffer and 9 ns in an 11 MB one, against 0.8–0.9 ns per element to compare a segment
-# in NumPy (compiled, comparing took 0.44 ns per element on 453k float32 elements at density 0.01).
+#: A raised threshold filters the segment's current selection (a gather per selected element)
+#: rather than comparing the whole segment again only while the selection is at most
+#: 1/FILTER_SHARE of the segment: a gather costs several times what a sequential compare does.
 FILTER_SHARE = 10
-
-
-class Workspace:
-    """Scratch memory for selecting from one buffer at a time: ``|x|`` and two index buffers as
-    long as the largest buffer seen (a selection is written into one while the other holds the
-    previous one). Allocated afresh per call, buffers of a few megabytes came from new pages every
-    time and the page faults cost more than the selection itself; index pages are touched only as
-    far as selections reach."""
-
-    def __init__(self) -> None:
-        self._held: dict[object, torch.Tensor] = {}
-
-    def _like(self, flat: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
-        held = self._held.get((dtype, slot))
-        if held is None or held.numel() < flat.numel() or held.device != flat.device:
-            held = self._held[(dtype, slot)] = torch.empty(flat.numel(), dtype=dtype, device=flat.device)
-        return held[:flat.numel()]
-
-    def magnitudes(self, flat: torch.Tensor) -> torch.Tensor:
-        """Room for ``|flat|``."""
-        return self._like(flat, flat.dtype)
-
-    def indices(self, flat: torch.Tensor, slot: int) -> torch.Tensor:
-        """Room for as many int64 indices as ``flat`` has elements (``slot`` 0 or 1)."""
-        return self._like(flat, torch.int64, slot)
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # what SegmentView handles
@@ -86,31 +59,35 @@ class SegmentView:
     """
 
     def __init__(self, flat: torch.Tensor, segments: Segments, density: float,
-                 workspace: Workspace | None = None) -> None:
+                 scratch: IndexScratch | None = None) -> None:
         self.segments = segments
         self.flat = flat
         self.offsets, self.sizes = segments.offset_array, segments.size_array
         self._kernels = NumbaKernels(self.offsets, self.sizes)
-        self._workspace = workspace or Workspace()
-        self.abs = torch.abs(flat, out=self._workspace.magnitudes(flat))
-        self._abs = self._kernels.wrap(self.abs)
+        self._x = self._kernels.wrap(flat)
         self._dtype = flat.dtype  # thresholds are rounded to it, so that every backend compares alike
-        self.max = self._kernels.segment_max(self._abs)  # float64, exact values of the buffer's dtype
+        self.max, self._abs_sum = self._kernels.abs_stats(self._x)  # max: exact values of the dtype
         self.live = self.max > 0
         self.k = segments.k_array(density)  # target count per segment
+        self._scratch = scratch or IndexScratch()
+        self._scratch.reserve(2 * int(self.k.sum()) + len(self.k))  # a selection ends in a band about k
         self._indices = None  # selected, ascending, in runs of self._counts
         self._counts: np.ndarray | None = None
         self._applied: np.ndarray | None = None  # per segment, the (clipped) threshold of its selection
         self._slot = 0
 
     def means(self, signed: bool = False, squares: bool = False) -> np.ndarray:
-        """Per-segment mean of ``x`` or ``|x|`` (or of their squares), float64: one segmented sum."""
-        src = self._kernels.wrap(self.flat) if signed else self._abs
-        return self._kernels.segment_sum(src * src if squares else src) / np.maximum(self.sizes, 1)
+        """Per-segment mean of ``x`` or ``|x|`` (or of ``x²``), float64: one segmented sum (the mean
+        of ``|x|`` was taken with the maxima)."""
+        if squares:
+            total = self._kernels.sums(self._x, squares=True)
+        else:
+            total = self._kernels.sums(self._x) if signed else self._abs_sum
+        return total / np.maximum(self.sizes, 1)
 
-    def _scratch(self):
+    def _next_slot(self) -> int:
         self._slot ^= 1
-        return self._kernels.wrap(self._workspace.indices(self.flat, self._slot))
+        return self._slot
 
     def apply(self, thresholds: np.ndarray, which: np.ndarray | None = None,
               correction: Band | Steps | None = None) -> None:
@@ -123,16 +100,16 @@ class SegmentView:
         self.corrected = np.zeros(0, dtype=np.int64)
         if isinstance(correction, Band):
             self._indices, self._counts, self._applied = self._kernels.select_within(
-                self._abs, thr, correction, self._scratch())
+                self._x, thr, correction, self._scratch, self._next_slot())
         elif isinstance(correction, Steps):
             self._indices, self._counts, self._applied = self._kernels.select_stepped(
-                self._abs, np.where(self.live, thresholds, np.inf), correction, _rounded(self.max, self._dtype),
-                self._scratch())
+                self._x, np.where(self.live, thresholds, np.inf), correction, _rounded(self.max, self._dtype),
+                self._scratch, self._next_slot())
         if correction is not None:
             self.corrected = np.flatnonzero(self._applied != thr)
             return
         if which is None or self._indices is None:
-            self._indices, self._counts = self._kernels.select(self._abs, thr, self._scratch())
+            self._indices, self._counts = self._kernels.select(self._x, thr, self._scratch, self._next_slot())
             self._applied = thr
             return
         which = np.asarray(which, dtype=np.int64)
@@ -140,8 +117,8 @@ class SegmentView:
         mode[which] = 2  # compared anew, unless a subset of a small selection:
         mode[which[(thr[which] >= self._applied[which])
                    & (self._counts[which] * FILTER_SHARE <= self.sizes[which])]] = 1
-        self._indices, self._counts = self._kernels.reselect(self._abs, self._indices, self._counts, mode,
-                                                             thr, self._scratch())
+        self._indices, self._counts = self._kernels.reselect(self._x, self._indices, self._counts, mode,
+                                                             thr, self._scratch, self._next_slot())
         self._applied[which] = thr[which]
 
     def counts(self) -> np.ndarray:
@@ -154,23 +131,23 @@ class SegmentView:
 
     def kth_largest(self, which: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Per segment of ``which``, the ``ks``-th largest ``|x|`` (exact thresholds)."""
-        return self._kernels.kth_largest(self._abs, self.offsets[which], self.sizes[which], ks)
+        return self._kernels.kth_largest(self._x, self.offsets[which], self.sizes[which], ks)
 
     def kth_largest_selected(self, which: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Per segment of ``which``, the ``ks``-th largest ``|x|`` among the elements it selects now
         (DGC's hierarchical selection: cost ∝ selected)."""
         runs = np.cumsum(self._counts) - self._counts
-        return self._kernels.kth_largest(self._abs, runs[which], self._counts[which], ks, idx=self._indices)
+        return self._kernels.kth_largest(self._x, runs[which], self._counts[which], ks, idx=self._indices)
 
     def kth_largest_at(self, idx: np.ndarray, lengths: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """The ``ks[j]``-th largest ``|x|`` at consecutive runs of buffer indices ``idx`` of
         ``lengths[j]`` elements each (a sample per segment)."""
-        return self._kernels.kth_largest(self._abs, np.cumsum(lengths) - lengths, lengths, ks, idx=idx)
+        return self._kernels.kth_largest(self._x, np.cumsum(lengths) - lengths, lengths, ks, idx=idx)
 
     def exceedance_moments(self, which: np.ndarray, eta: np.ndarray, inclusive: bool = False):
         """Per segment of ``which``: count, mean and variance of ``|x| − eta`` over ``|x| > eta``
         (``>=`` if ``inclusive``)."""
-        return self._kernels.exceedance_moments(self._abs, which, eta, inclusive)
+        return self._kernels.exceedance_moments(self._x, which, eta, inclusive)
 
     def indices(self) -> torch.Tensor:
         """Buffer-relative indices of the selected elements, ascending (int64, a tensor of its own)."""
@@ -182,14 +159,14 @@ class ThresholdCompressor(Compressor):
 
     Subclasses implement :meth:`thresholds` and may override :meth:`refine` to correct thresholds
     from the counts they selected (re-applying some segments, or adjusting the next step's);
-    thresholds and counts are NumPy arrays indexed by segment. ``|x|`` and the selected indices go
-    into a :class:`Workspace` kept between calls, so an instance selects one buffer at a time, as
-    the controller calls it.
+    thresholds and counts are NumPy arrays indexed by segment. The selected indices go into an
+    :class:`~horovod_safusion.compressors.segmented.IndexScratch` kept between calls, so an
+    instance selects one buffer at a time, as the controller calls it.
     """
 
     def __init__(self, density: float = 0.01) -> None:
         super().__init__(density)
-        self._workspace = Workspace()
+        self._scratch = IndexScratch()
 
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
@@ -200,7 +177,7 @@ class ThresholdCompressor(Compressor):
             if finite:
                 proposal.commit()
             return proposal.take(total, zero=False)[1]
-        view = SegmentView(flat, segments, self.density, self._workspace)
+        view = SegmentView(flat, segments, self.density, self._scratch)
         thr = self.thresholds(view, step)
         view.apply(thr, correction=self.correction(view, step))
         self.refine(view, thr, view.counts(), step)

@@ -22,7 +22,7 @@ from ..segment import Segments
 from .base import Compressor, register_compressor
 from .device import on_host
 from .segmented import NumbaKernels
-from .threshold import Workspace
+from .segmented import IndexScratch
 
 
 @lru_cache(maxsize=256)
@@ -42,22 +42,20 @@ class TopK(Compressor):
 
     def __init__(self, density: float = 0.01) -> None:
         super().__init__(density)
-        self._workspace = Workspace()
+        self._scratch = IndexScratch()
 
     def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
         if self.density >= 1.0:
             return None
-        absx = torch.abs(flat, out=self._workspace.magnitudes(flat))
         if on_host(flat):
             kernels = NumbaKernels(segments.offset_array, segments.size_array)
-            out, scratch = (self._workspace.indices(flat, slot).numpy() for slot in (0, 1))
-            return kernels.to_indices(kernels.select_top(absx.numpy(), segments.k_array(self.density), out, scratch))
+            return kernels.to_indices(kernels.select_top(flat.numpy(), segments.k_array(self.density), self._scratch))
         parts = []
         for n, k, offsets in _groups(segments, self.density):
             if len(offsets) == 1:
-                parts.append(torch.topk(absx[offsets[0]:offsets[0] + n], k, sorted=False).indices + offsets[0])
+                parts.append(torch.topk(flat[offsets[0]:offsets[0] + n].abs(), k, sorted=False).indices + offsets[0])
             else:
                 starts = torch.tensor(offsets, device=flat.device)
-                idx = torch.topk(absx.unfold(0, n, 1)[starts], k, dim=1, sorted=False).indices
+                idx = torch.topk(flat.unfold(0, n, 1)[starts].abs_(), k, dim=1, sorted=False).indices
                 parts.append((idx + starts.unsqueeze(1)).flatten())
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)

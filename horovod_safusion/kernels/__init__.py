@@ -1,17 +1,22 @@
-"""The GPU path's kernels: Triton for CUDA tensors, PyTorch everywhere else (and as reference).
+"""The kernels of the per-buffer data path: Numba on the host, Triton on a GPU, and PyTorch
+everywhere else (the reference the others are tested against).
 
 ``cuda/README.md`` points here: kernels must be importable by the package, so they live in it.
-The three operations of SAFusion's per-buffer data path (§3.1 Steps 1–3):
+The operations of SAFusion's per-buffer data path (§3.1 Steps 1–3):
 
-* :func:`segment_stats` — per segment ``max |x|``, ``Σ |x|``, and whether the buffer is finite
-  (:func:`accumulate`: the same for one tensor while its error-compensated gradient is written);
+* :func:`accumulate` — error feedback into one tensor's segment, ``x = g + scale · r`` in place,
+  a non-finite gradient element dropped and counted (the Triton kernel also takes the segment's
+  ``max |x|`` and ``Σ |x|`` on the way); :func:`segment_stats` takes them for a whole buffer;
 * :func:`selection` — the per-segment threshold compare: counts at once, then the selected values
   and raw index bits straight into the wire tensor, zeroed in the buffer (the residual);
-* :func:`decode_rows` — every rank's rows added into the dense output.
+* :func:`scatter_add`, :func:`decode_rows` — every rank's values added into the gradients of the
+  buffer's parameters, one tensor per segment, so the reduced buffer needs no memory of its own.
 
-Which implementation runs: ``HOROVOD_SAFUSION_KERNELS=torch`` or ``triton`` forces one (the tests
-run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``); otherwise Triton for CUDA
-tensors when it is installed, PyTorch otherwise. Triton is imported only when chosen.
+Which path runs: the host path (:mod:`.host`, compiled by Numba) for CPU float32/float64 buffers
+unless ``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends them down the device path (tests, benchmarks).
+On the device path ``HOROVOD_SAFUSION_KERNELS=torch`` or ``triton`` forces one implementation (the
+tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``); otherwise Triton for
+CUDA tensors when it is installed, PyTorch otherwise. Triton is imported only when chosen.
 """
 from __future__ import annotations
 
@@ -22,12 +27,21 @@ from types import ModuleType
 
 import torch
 
-from .blocks import BlockTable, block_table
-from . import reference
+import numpy as np
 
-__all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "decode_rows", "uses_triton"]
+from .blocks import BlockTable, block_table
+from . import host, reference
+
+__all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "scatter_add", "decode_rows",
+           "uses_triton", "on_host"]
 
 CHOICES = ("torch", "triton")
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a buffer, a gradient) takes the host path: CPU float32 or float64, and
+    ``HOROVOD_SAFUSION_DEVICE_PATH`` is not ``1``."""
+    return host.handles(t) and os.environ.get("HOROVOD_SAFUSION_DEVICE_PATH", "0") != "1"
 
 
 def uses_triton(t: torch.Tensor) -> bool:
@@ -64,16 +78,23 @@ def segment_stats(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, 
     return seg_max.double(), seg_sum, bad.sum() == 0
 
 
-def accumulate(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Error feedback into one tensor's segment with its statistics taken on the way (Triton only):
-    ``out = grad + scale · residual`` (flat, contiguous), and its ``max |x|``, ``Σ |x|`` over the
-    finite elements and whether all are finite, as 0-dim device tensors — so that the selection
-    does not read the buffer once more for them."""
+def accumulate(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor | None,
+               stats: bool = False) -> tuple:
+    """Error feedback into one tensor's segment of a sparse step, on the device path:
+    ``out = grad + scale · residual`` (flat, contiguous; ``residual`` may be ``out`` itself or
+    ``None``); a non-finite gradient element is dropped (``out`` keeps ``scale · residual``
+    there). Returns the number of dropped elements as a 0-dim device tensor, and with ``stats``
+    (Triton only) also ``max |out|`` and ``Σ |out|`` as 0-dim float64 device tensors — so that
+    the selection does not read the buffer once more for them."""
+    if not uses_triton(out):
+        return reference.accumulate(out, grad, residual, scale)
     from ..segment import Segments
     table = block_table(Segments(("x",), (out.numel(),), out.device), out.device)
-    mx, sm, bad = _triton().segment_stats(out, table, grad=grad.contiguous(), residual=residual, scale=scale)
-    return mx.amax().double(), sm.double().sum(), bad.sum() == 0
+    mx, sm, bad = _triton().segment_stats(out, table, grad=grad.contiguous(),
+                                          residual=out if residual is None else residual, scale=scale,
+                                          keep=residual is not None)
+    dropped = bad.sum()
+    return (dropped, mx.amax().double(), sm.double().sum()) if stats else (dropped,)
 
 
 class _TritonSelection:
@@ -107,9 +128,30 @@ def selection(flat: torch.Tensor, thresholds: torch.Tensor, table: BlockTable):
     return reference.Selection(flat, thresholds, table)
 
 
-def decode_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Add every wire row's value into ``out`` at its index (equal indices add up)."""
-    if uses_triton(out):
-        _triton().decode_rows(rows, out)
+def scatter_add(targets: tuple[torch.Tensor, ...], bounds: np.ndarray, indices: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """Add ``values`` at buffer-relative ``indices`` into ``targets``, the flat tensors of the
+    buffer's segments (segment ``s`` holds indices ``[bounds[s], bounds[s + 1])``); equal indices
+    add up."""
+    if indices.numel() == 0:
+        return
+    t = targets[0]
+    if on_host(t):
+        host.scatter_add(targets, bounds, indices, values)
+    elif uses_triton(t):
+        _triton().scatter_add(values, indices, targets, bounds)
     else:
-        reference.decode_rows(rows, out)
+        reference.scatter_add(targets, bounds, indices, values)
+
+
+def decode_rows(rows: torch.Tensor, targets: tuple[torch.Tensor, ...], bounds: np.ndarray) -> None:
+    """Add every wire row's value into ``targets`` at its index (equal indices add up)."""
+    if rows.shape[0] == 0:
+        return
+    t = targets[0]
+    if uses_triton(t) and not on_host(t):
+        _triton().decode_rows(rows, targets, bounds)
+        return
+    from .. import wire
+    values, indices = wire.unpack(rows, t.dtype)
+    scatter_add(targets, bounds, indices, values)

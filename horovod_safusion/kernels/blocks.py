@@ -21,17 +21,24 @@ BLOCK = 1024
 @dataclass(frozen=True)
 class BlockTable:
     """Per block: its segment (``segment``), first element (``start``) and end (``stop``, exclusive),
-    as device tensors.
-    ``seg_ids`` gives every element its segment (the PyTorch path's way to spread per-segment
-    thresholds over the buffer) and ``bounds`` the segments' offsets followed by the buffer's size."""
+    as device tensors; ``bounds`` the segments' offsets followed by the buffer's size, ``sizes``
+    the segments' sizes. Nothing here grows with the buffer's elements (a table is kept per
+    layout)."""
 
     segment: torch.Tensor
     start: torch.Tensor
     stop: torch.Tensor
-    seg_ids: torch.Tensor
     bounds: torch.Tensor
+    sizes: torch.Tensor
+    numel: int
     blocks: int
     block: int
+
+    def seg_ids(self) -> torch.Tensor:
+        """Every element's segment (the PyTorch path's way to spread per-segment values over the
+        buffer): made per call, as long as the buffer, so that no table of that size is kept."""
+        segments = torch.arange(self.sizes.numel(), device=self.sizes.device)
+        return torch.repeat_interleave(segments, self.sizes, output_size=self.numel)
 
 
 @lru_cache(maxsize=256)
@@ -43,11 +50,10 @@ def block_table(segments: Segments, device: torch.device, block: int = BLOCK) ->
     within = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
     start = segments.offset_array[seg] + within * block
     stop = np.minimum(start + block, segments.offset_array[seg] + sizes[seg])
-    ids = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
 
     def on(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     bounds = np.append(segments.offset_array, segments.numel)
-    return BlockTable(segment=on(seg), start=on(start), stop=on(stop), seg_ids=on(ids), bounds=on(bounds),
-                      blocks=len(seg), block=block)
+    return BlockTable(segment=on(seg), start=on(start), stop=on(stop), bounds=on(bounds), sizes=on(sizes),
+                      numel=segments.numel, blocks=len(seg), block=block)

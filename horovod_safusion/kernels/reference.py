@@ -30,7 +30,7 @@ def segment_stats(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, 
     ok = torch.isfinite(a)
     a = torch.where(ok, a, 0.0)
     segments = table.bounds.numel() - 1
-    mx = torch.zeros(segments, dtype=a.dtype, device=a.device).scatter_reduce_(0, table.seg_ids, a, "amax")
+    mx = torch.zeros(segments, dtype=a.dtype, device=a.device).scatter_reduce_(0, table.seg_ids(), a, "amax")
     return mx.double(), _per_segment(a.double(), table), ok.all()
 
 
@@ -43,7 +43,7 @@ def moments(flat: torch.Tensor, table: BlockTable) -> tuple[torch.Tensor, torch.
 def exceedances(a: torch.Tensor, eta: torch.Tensor, table: BlockTable, inclusive: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per segment: count, sum and sum of squares of ``a − eta`` over ``a > eta`` (``>=``), float64."""
-    y = a.double() - eta[table.seg_ids]
+    y = a.double() - eta[table.seg_ids()]
     w = (y >= 0) if inclusive else (y > 0)
     y = torch.where(w, y, 0.0)
     return _per_segment(w.double(), table), _per_segment(y, table), _per_segment(y * y, table)
@@ -56,7 +56,7 @@ class Selection:
     def __init__(self, flat: torch.Tensor, thresholds: torch.Tensor, table: BlockTable) -> None:
         self.flat, self.table = flat, table
         a = flat.abs()
-        self.mask = (a >= thresholds[table.seg_ids]) & (a > 0)
+        self.mask = (a >= thresholds[table.seg_ids()]) & (a > 0)
         self.counts = _per_segment(self.mask.to(torch.int64), table)
         self.total = self.counts.sum()
 
@@ -70,7 +70,27 @@ class Selection:
         return values, idx, wire.pack(values, idx)
 
 
-def decode_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Add every wire row's value into ``out`` at its index (``index_add_``: equal indices add up)."""
-    values, indices = wire.unpack(rows, out.dtype)
-    out.index_add_(0, indices, values)
+def accumulate(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None,
+               scale: torch.Tensor | None) -> tuple[torch.Tensor]:
+    """:func:`horovod_safusion.kernels.accumulate` in PyTorch: ``out = grad + scale · residual``
+    with non-finite gradient elements dropped (and a residual rescaled out of range cleared);
+    the dropped count as a 0-dim device tensor."""
+    ok = torch.isfinite(grad)
+    if residual is None:
+        out.zero_()
+    elif residual is not out:
+        out.copy_(residual)
+    if scale is not None:
+        out.mul_(scale)
+    out.add_(torch.where(ok, grad, 0))
+    torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
+    return ((~ok).sum(),)
+
+
+def scatter_add(targets: tuple[torch.Tensor, ...], bounds, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Values at buffer-relative indices added into the segments' tensors, through one dense
+    buffer of the buffer's size (the reference: simple, and it reads nothing back)."""
+    flat = torch.zeros(int(bounds[-1]), dtype=targets[0].dtype, device=targets[0].device)
+    flat.index_add_(0, indices, values.to(flat.dtype))
+    for t, lo, hi in zip(targets, bounds[:-1].tolist(), bounds[1:].tolist()):
+        t.add_(flat[lo:hi])

@@ -7,13 +7,17 @@ fallback) does in several, and none reads anything back to the host:
 
 * :func:`segment_stats` — per block of a segment, ``max |x|`` and ``Σ |x|`` (float32 or wider
   accumulation), and a count of non-finite elements; optionally fused with error feedback,
-  ``x = g + scale · r`` written on the way (the residual add of the gradient hook);
+  ``x = g + scale · r`` written on the way (the residual add of the gradient hook), a non-finite
+  gradient element dropped and counted;
 * :func:`count_selected` / :func:`write_selected` — the threshold compare in two passes: counts per
   block, then (after the one host read that sizes the wire) every selected element's value and raw
   index bits written straight into its wire row, ascending, and zeroed in the buffer (which then
   holds the residual);
-* :func:`decode_rows` — every rank's rows added into the dense output with atomic adds (equal
-  indices add up, as ``index_add_`` does).
+* :func:`decode_rows`, :func:`scatter_add` — every rank's rows (or values at indices) added with
+  atomic adds (equal indices add up, as ``index_add_`` does) straight into the gradients of the
+  buffer's parameters: each row finds its segment by binary search over the segments' bounds and
+  writes through a table of the segments' addresses, so the reduced buffer needs no memory of its
+  own.
 
 A wire row is ``[value bytes | int32 index bytes]`` (:mod:`horovod_safusion.wire`): 6, 8 or 12
 bytes, so rows are read and written as 16-bit words, which are aligned in every row. Importing this
@@ -22,6 +26,7 @@ module imports Triton; the package imports it only for CUDA tensors or when
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +38,8 @@ _WORD_INT = {1: tl.int16, 2: tl.int32, 4: tl.int64}  # value words → the integ
 
 @triton.jit
 def _stats_kernel(x_ptr, g_ptr, r_ptr, scale_ptr, seg_ptr, start_ptr, stop_ptr, max_ptr, sum_ptr, bad_ptr,
-                  ACC: tl.constexpr, FUSED: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+                  ACC: tl.constexpr, FUSED: tl.constexpr, KEEP: tl.constexpr, SCALED: tl.constexpr,
+                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     start, stop = tl.load(start_ptr + pid), tl.load(stop_ptr + pid)
     offs = start + tl.arange(0, BLOCK)
@@ -41,15 +47,22 @@ def _stats_kernel(x_ptr, g_ptr, r_ptr, scale_ptr, seg_ptr, start_ptr, stop_ptr, 
     if FUSED:  # in the accumulation precision, rounded once (half-precision arithmetic is not
         # portable: Triton's interpreter has no bfloat16 arithmetic)
         g = tl.load(g_ptr + offs, mask=m, other=0.0).to(ACC)
-        r = tl.load(r_ptr + offs, mask=m, other=0.0).to(ACC)
-        if SCALED:
-            r = r * tl.load(scale_ptr).to(ACC)
-        x = (g + r).to(x_ptr.dtype.element_ty)
+        ok = (g == g) & (tl.abs(g) != float("inf"))  # a non-finite gradient element is dropped
+        x = tl.where(ok, g, 0.0)
+        if KEEP:  # r_ptr may be x_ptr: every element is read before it is written
+            r = tl.load(r_ptr + offs, mask=m, other=0.0).to(ACC)
+            if SCALED:
+                r = r * tl.load(scale_ptr).to(ACC)
+            x = x + r
+        fine = (x == x) & (tl.abs(x) != float("inf"))  # a residual rescaled out of range: cleared
+        x = tl.where(fine, x, 0.0).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + offs, x, mask=m)
+        bad = ~ok | ~fine
+        a = tl.abs(x.to(ACC))
     else:
         x = tl.load(x_ptr + offs, mask=m, other=0.0)
-    a = tl.abs(x.to(ACC))
-    bad = (a != a) | (a == float("inf"))
+        a = tl.abs(x.to(ACC))
+        bad = (a != a) | (a == float("inf"))
     a = tl.where(m & ~bad, a, 0.0)
     tl.store(max_ptr + pid, tl.max(a, axis=0))
     tl.store(sum_ptr + pid, tl.sum(a, axis=0))
@@ -92,21 +105,54 @@ def _write_kernel(x_ptr, thr_ptr, seg_ptr, start_ptr, stop_ptr, first_ptr, words
 
 
 @triton.jit
-def _decode_kernel(words_ptr, out_ptr, rows, VALUE_WORDS: tl.constexpr, WORD_INT: tl.constexpr,
-                   OUT_TYPE: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    r = pid * BLOCK + tl.arange(0, BLOCK)
+def _segment_of(index, mask, bounds_ptr, segments, LOG: tl.constexpr):
+    """The segment ``s`` with ``bounds[s] <= index < bounds[s + 1]`` (binary search, LOG steps)."""
+    lo = tl.zeros(index.shape, dtype=tl.int64)
+    hi = tl.zeros(index.shape, dtype=tl.int64) + segments
+    for _ in tl.static_range(LOG):
+        mid = (lo + hi) // 2
+        go = index >= tl.load(bounds_ptr + mid, mask=mask, other=0)
+        lo, hi = tl.where(go, mid, lo), tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
+def _add_at(index, value, mask, bounds_ptr, ptrs_ptr, segments, OUT_TYPE: tl.constexpr, LOG: tl.constexpr):
+    """``value`` added at buffer index ``index`` of the segments' own tensors (their addresses
+    in ``ptrs_ptr``), with atomic adds (equal indices add up, as ``index_add_`` does)."""
+    seg = _segment_of(index, mask, bounds_ptr, segments, LOG)
+    base = tl.load(bounds_ptr + seg, mask=mask, other=0)
+    address = tl.load(ptrs_ptr + seg, mask=mask, other=0)
+    target = address.to(tl.pointer_type(OUT_TYPE))
+    tl.atomic_add(target + (index - base), value.to(OUT_TYPE), mask=mask)
+
+
+@triton.jit
+def _scatter_kernel(values_ptr, index_ptr, n, bounds_ptr, ptrs_ptr, segments, OUT_TYPE: tl.constexpr,
+                    LOG: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < n
+    index = tl.load(index_ptr + r, mask=m, other=0).to(tl.int64)
+    value = tl.load(values_ptr + r, mask=m, other=0.0)
+    _add_at(index, value, m, bounds_ptr, ptrs_ptr, segments, OUT_TYPE, LOG)
+
+
+@triton.jit
+def _decode_kernel(words_ptr, rows, bounds_ptr, ptrs_ptr, segments, VALUE_WORDS: tl.constexpr,
+                   WORD_INT: tl.constexpr, VALUE_TYPE: tl.constexpr, OUT_TYPE: tl.constexpr, LOG: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < rows
     base = r.to(tl.int64) * (VALUE_WORDS + 2)
     bits = tl.zeros([BLOCK], dtype=tl.int64)
     for w in tl.static_range(VALUE_WORDS):
         word = tl.load(words_ptr + base + w, mask=m, other=0).to(tl.int64) & 0xFFFF
         bits = bits | (word << (16 * w))
-    value = bits.to(WORD_INT).to(OUT_TYPE, bitcast=True).to(out_ptr.dtype.element_ty)
+    value = bits.to(WORD_INT).to(VALUE_TYPE, bitcast=True)
     lo = tl.load(words_ptr + base + VALUE_WORDS, mask=m, other=0).to(tl.int64) & 0xFFFF
     hi = tl.load(words_ptr + base + VALUE_WORDS + 1, mask=m, other=0).to(tl.int64) & 0xFFFF
     index = (lo | (hi << 16)).to(tl.int32).to(tl.int64)  # the int32's bits, sign included
-    tl.atomic_add(out_ptr + index, value, mask=m)
+    _add_at(index, value, m, bounds_ptr, ptrs_ptr, segments, OUT_TYPE, LOG)
 
 
 def _value_words(dtype: torch.dtype) -> int:
@@ -114,19 +160,21 @@ def _value_words(dtype: torch.dtype) -> int:
 
 
 def segment_stats(flat: torch.Tensor, table: BlockTable, grad: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                  residual: torch.Tensor | None = None, scale: torch.Tensor | None = None, keep: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block: ``max |x|``, ``Σ |x|`` (float32, float64 for float64 buffers) over its finite
-    elements, and how many are not finite. With ``grad`` and ``residual`` (flat, like ``flat``),
-    ``flat = grad + scale · residual`` is written on the way."""
+    elements, and how many are not finite. With ``grad`` (flat, like ``flat``), the error feedback
+    ``flat = grad + scale · residual`` (``residual`` may be ``flat`` itself; none unless ``keep``)
+    is written on the way, a non-finite gradient element dropped and counted as not finite."""
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     mx = torch.empty(table.blocks, dtype=acc, device=flat.device)
     sm = torch.empty_like(mx)
     bad = torch.empty(table.blocks, dtype=torch.int32, device=flat.device)
     fused = grad is not None
-    _stats_kernel[(table.blocks,)](flat, grad if fused else flat, residual if fused else flat,
+    _stats_kernel[(table.blocks,)](flat, grad if fused else flat, residual if residual is not None else flat,
                                    scale if scale is not None else mx, table.segment, table.start, table.stop,
-                                   mx, sm, bad, ACC=_OUT_TYPE[acc], FUSED=fused, SCALED=scale is not None, BLOCK=table.block)
+                                   mx, sm, bad, ACC=_OUT_TYPE[acc], FUSED=fused, KEEP=fused and keep,
+                                   SCALED=scale is not None, BLOCK=table.block)
     return mx, sm, bad
 
 
@@ -154,16 +202,61 @@ _OUT_TYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
              torch.float64: tl.float64}
 
 
-def decode_rows(rows: torch.Tensor, out: torch.Tensor, block: int = 1024) -> None:
-    """Add every row's value into ``out`` at its index (``out``'s dtype is the values'). Half
-    precision adds up in float32 and is rounded once at the end (atomic adds of bfloat16 are
-    not available on every GPU)."""
+class _Targets:
+    """The segments' tensors as the kernels address them: their bounds and addresses on the
+    device, and a float32 stand-in for half precision (atomic adds of bfloat16 are not available
+    on every GPU), added into the segments once at the end."""
+
+    def __init__(self, targets: tuple[torch.Tensor, ...], bounds: np.ndarray) -> None:
+        device = targets[0].device
+        self.targets, self.dtype = targets, targets[0].dtype
+        self.half = targets[0].element_size() < 4
+        if self.half:
+            self.acc = torch.zeros(int(bounds[-1]), dtype=torch.float32, device=device)
+            self.bounds, addresses = np.array([0, int(bounds[-1])]), [self.acc.data_ptr()]
+        else:
+            self.bounds, addresses = bounds, [t.data_ptr() for t in targets]
+        self.segments = len(self.bounds) - 1
+        self.log = int(np.ceil(np.log2(self.segments))) if self.segments > 1 else 0
+        self.bounds_t = _to_device(np.asarray(self.bounds, dtype=np.int64), device)
+        self.ptrs = _to_device(np.asarray(addresses, dtype=np.int64), device)
+        self.out_type = _OUT_TYPE[torch.float32 if self.half else self.dtype]
+
+    def finish(self, bounds: np.ndarray) -> None:
+        if self.half:
+            for t, lo, hi in zip(self.targets, bounds[:-1].tolist(), bounds[1:].tolist()):
+                t.add_(self.acc[lo:hi].to(t.dtype))
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the device (pinned, non-blocking)."""
+    t = torch.from_numpy(a)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def scatter_add(values: torch.Tensor, indices: torch.Tensor, targets: tuple[torch.Tensor, ...], bounds: np.ndarray,
+                block: int = 1024) -> None:
+    """``values`` at buffer-relative ``indices`` added into the segments' tensors ``targets``."""
+    n = indices.numel()
+    if n == 0:
+        return
+    t = _Targets(targets, bounds)
+    _scatter_kernel[(triton.cdiv(n, block),)](values.contiguous(), indices.contiguous(), n, t.bounds_t, t.ptrs,
+                                              t.segments, OUT_TYPE=t.out_type, LOG=t.log, BLOCK=block)
+    t.finish(bounds)
+
+
+def decode_rows(rows: torch.Tensor, targets: tuple[torch.Tensor, ...], bounds: np.ndarray, block: int = 1024) -> None:
+    """Add every row's value into the segments' tensors ``targets`` at its index (the rows'
+    values have the targets' dtype)."""
     n = rows.shape[0]
     if n == 0:
         return
-    vw = _value_words(out.dtype)
-    acc = out if out.element_size() >= 4 else torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
-    _decode_kernel[(triton.cdiv(n, block),)](rows.view(torch.int16), acc, n, VALUE_WORDS=vw, WORD_INT=_WORD_INT[vw],
-                                            OUT_TYPE=_OUT_TYPE[out.dtype], BLOCK=block)
-    if acc is not out:
-        out.add_(acc.to(out.dtype))
+    vw = _value_words(targets[0].dtype)
+    t = _Targets(targets, bounds)
+    _decode_kernel[(triton.cdiv(n, block),)](rows.view(torch.int16), n, t.bounds_t, t.ptrs, t.segments,
+                                             VALUE_WORDS=vw, WORD_INT=_WORD_INT[vw], VALUE_TYPE=_OUT_TYPE[t.dtype],
+                                             OUT_TYPE=t.out_type, LOG=t.log, BLOCK=block)
+    t.finish(bounds)

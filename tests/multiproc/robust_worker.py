@@ -107,8 +107,22 @@ def replicas_equal(model, name):
     return all(np.array_equal(every[0], e) for e in every[1:])
 
 
-def grad_of(p):
-    return p.grad.detach().reshape(-1).clone() if p.grad is not None else torch.zeros(p.numel())
+class Computed:
+    """The gradients back-propagation computes for ``named``'s parameters, recorded by tensor hooks
+    registered now (after any hook that changes them): what ``p.grad`` receives. A buffer sent
+    dense writes what it sends into ``p.grad`` in its hook, so ``p.grad`` after ``backward()`` is
+    not the computed gradient there; a parameter that received none reads as zeros."""
+
+    def __init__(self, named):
+        self.grads = {}
+        self._hooks = [p.register_hook(lambda g, n=n: self.grads.__setitem__(n, g.detach().reshape(-1).clone()))
+                       for n, p in named if p.requires_grad]
+
+    def of(self, name, p):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return self.grads.get(name, torch.zeros(p.numel()))
 
 
 def residual_of(opt, name, p):
@@ -127,8 +141,9 @@ def scenario_edge(which):
             opt.zero_grad(set_to_none=True)
             before = {n: residual_of(opt, n, p) for n, p in named}
             x, y = data(step)
+            computed = Computed(named)
             F.cross_entropy(model(x, step), y).backward()
-            acc = {n: grad_of(p) + before[n] for n, p in named}
+            acc = {n: computed.of(n, p) + before[n] for n, p in named}
             if step % 2:
                 opt.synchronize()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # between synchronize and step
@@ -163,8 +178,9 @@ def train_skipping(opt, model, steps, nan_step, inf_step):
             handle = model.trunk.weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
                                                                               torch.tensor(float("inf"))))
         before = {n: residual_of(opt, n, p) for n, p in named} if hasattr(opt, "residuals") else None
+        computed = Computed(named)
         F.cross_entropy(model(x, 0), y).backward()
-        acc = {n: grad_of(p) + before[n] for n, p in named} if before else None
+        acc = {n: computed.of(n, p) + before[n] for n, p in named} if before else None
         if handle is not None:
             handle.remove()
         opt.synchronize()
@@ -257,8 +273,9 @@ def scenario_fp16():
             opt.zero_grad()
             before = {n: residual_of(opt, n, p) for n, p in named}
             x, y = data(step)
+            computed = Computed(named)
             F.cross_entropy(model(x, 0), y).backward()
-            acc = {n: grad_of(p) + before[n] for n, p in named}
+            acc = {n: computed.of(n, p) + before[n] for n, p in named}
             opt.step()
             for n, p in named:
                 after = residual_of(opt, n, p)

@@ -124,6 +124,21 @@ def scenario_dense_choice():
     return out
 
 
+class LocalGradients:
+    """The gradients back-propagation computes for ``named`` parameters, recorded by tensor hooks
+    as they arrive (a dense step adds residual and momentum into ``p.grad`` in place, so
+    ``p.grad`` after ``backward()`` is what is sent, not what was computed)."""
+
+    def __init__(self, named):
+        self.grads = {}
+        self._hooks = [p.register_hook(lambda g, n=n: self.grads.__setitem__(n, g.detach().reshape(-1).clone()))
+                       for n, p in named]
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
 def gather_dense(tensors):
     """Every rank's list of flat tensors, as numpy float64 arrays."""
     return [[np.asarray(t, dtype=np.float64) for t in r]
@@ -191,8 +206,10 @@ def scenario_dgc_techniques():
             u_prev = [ctl.momentum.momentum(n).clone() for n, _ in named]
             opt.zero_grad()
             x, y = batch(step)
+            local = LocalGradients(named)
             F.cross_entropy(m(x), y).backward()
-            clipped = [ctl.clipping(p.grad.detach().view(-1)) for _, p in named]
+            local.remove()
+            clipped = [ctl.clipping(local.grads[n]) for n, _ in named]
             opt.synchronize()
             densities.append(ctl.compressor.density)
             dense_steps.append(bool(ctl._dense))

@@ -1,11 +1,12 @@
 """The communicator contract in one process: :class:`Reduction`'s scaling, :class:`Outgoing`'s
-indices, the shared decode (equal indices add up), tag-keyed state, and ExDyna's Algorithm 5
+target, the shared decode into the segments' tensors (equal indices add up), tag-keyed state, and ExDyna's Algorithm 5
 driven through ``Pending.feedback`` → ``Compressor.feedback`` rather than a side channel."""
+import numpy as np
 import pytest
 import torch
 
 from horovod_safusion.communicators import (Allgather, Allreduce, ExDynaCommunicator, Outgoing, Reduction, SparDL,
-                                            Zen)
+                                            Target, Zen)
 from horovod_safusion.compressors import make_compressor
 from horovod_safusion.segment import Segments
 
@@ -19,36 +20,51 @@ def test_reduction_scales_as_horovod(hvd):
     assert total.prescaled(x) is x and total.unprescaled(x) is x
 
 
-def test_outgoing_gives_every_index_when_all_are_sent():
-    values = torch.arange(5, dtype=torch.float32)
-    assert torch.equal(Outgoing("0", values, None, 5).indices_or_all(), torch.arange(5))
+def target_of(sizes, fill=float("nan")):
+    """A :class:`Target` of one tensor per segment, filled with junk that decoding must clear."""
+    tensors = tuple(torch.full((n,), fill) for n in sizes)
+    return Target(tensors, np.cumsum([0, *sizes]))
+
+
+def test_outgoing_of_a_dense_step_is_its_target():
+    target = target_of((3, 2), 1.0)
+    dense = Outgoing("0", None, None, 5, target=target)
+    assert dense.dtype == torch.float32 and dense.device == torch.device("cpu") and dense.residual is None
     picked = torch.tensor([4, 1])
-    out = Outgoing("0", values[picked], picked, 5)
-    assert out.indices_or_all() is picked and out.dtype == torch.float32 and out.residual is None and out.rows is None
+    out = Outgoing("0", torch.ones(2, dtype=torch.float64)[picked - picked], picked, 5)
+    assert out.dtype == torch.float64 and out.rows is None and out.target is None
 
 
 @pytest.mark.parametrize("communicator", [Allgather, Allreduce, SparDL, lambda **kw: Zen(seed=1, **kw)])
 @pytest.mark.parametrize("op,prescale,postscale", [("Average", 0.5, 2.0), ("Sum", 1.0, 1.0)])
-def test_one_worker_start_returns_the_scaled_selection(hvd, communicator, op, prescale, postscale):
+def test_one_worker_start_writes_the_scaled_selection_into_the_target(hvd, communicator, op, prescale, postscale):
     comm = communicator(process_set=hvd.global_process_set, compression=hvd.Compression.none)
     reduction = Reduction(getattr(hvd, op), prescale, postscale)
     indices = torch.tensor([7, 2, 5])
     values = torch.tensor([1.5, -2.0, 4.0])
-    got = comm.start(Outgoing("t", values, indices, 10), reduction).wait()
+    target = target_of((4, 6))
+    assert comm.start(Outgoing("t", values, indices, 10, target=target), reduction).wait() is None
     expected = torch.zeros(10)
     expected[indices] = values * prescale * postscale
-    assert torch.equal(got, expected)
-    dense = torch.randn(10)
-    assert torch.allclose(comm.start(Outgoing("t", dense, None, 10), reduction).wait(), dense * prescale * postscale)
+    assert torch.equal(torch.cat(target.tensors), expected)
+    if comm.dense:  # a dense step: the target holds the gradients, reduced in place
+        dense = torch.randn(10)
+        target = Target((dense[:4].clone(), dense[4:].clone()), np.array([0, 4, 10]))
+        comm.start(Outgoing("t", None, None, 10, target=target), reduction).wait()
+        assert torch.allclose(torch.cat(target.tensors), dense * prescale * postscale)
 
 
-def test_decode_adds_equal_indices_and_scales_once(hvd):
+def test_decode_adds_equal_indices_across_segments_and_scales_once(hvd):
     comm = Allgather(process_set=hvd.global_process_set)
-    out = Outgoing("d", torch.zeros(0), torch.zeros(0, dtype=torch.int64), 4)
-    got = comm.decode_into(out, Reduction(hvd.Sum, postscale=3.0), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([2, 2, 0]))
-    assert got.tolist() == [12.0, 0.0, 9.0, 0.0]
-    again = comm.decode_into(out, Reduction(hvd.Sum), torch.ones(4), None)  # the reused buffer, zeroed
-    assert again.tolist() == [1.0] * 4
+    target = target_of((2, 3))
+    out = Outgoing("d", torch.zeros(0), torch.zeros(0, dtype=torch.int64), 5, target=target)
+    comm.decode_into(out, Reduction(hvd.Sum, postscale=3.0), torch.tensor([1.0, 2.0, 4.0, 0.5]),
+                     torch.tensor([2, 2, 0, 4]))
+    assert [t.tolist() for t in target.tensors] == [[12.0, 0.0], [9.0, 0.0, 1.5]]
+    comm.decode_into(out, Reduction(hvd.Sum), torch.ones(5), None)  # a dense buffer; the target zeroed first
+    assert [t.tolist() for t in target.tensors] == [[1.0] * 2, [1.0] * 3]
+    comm.decode_into(Outgoing("d", torch.zeros(0), torch.zeros(0, dtype=torch.int64), 5), Reduction(hvd.Sum),
+                     torch.ones(1), torch.tensor([1]))  # no target (a sweep): nothing is written
 
 
 def test_state_is_keyed_by_tag_and_renewed_with_the_numel(hvd):

@@ -108,37 +108,63 @@ def test_selection_writes_the_same_wire_rows_and_residual(case):
 @SETTINGS
 @given(case=buffers(), scale=st.floats(0.25, 4.0))
 def test_fused_residual_add_and_statistics(case, scale):
-    """Kernel (a) with error feedback fused: ``x = g + scale · r`` written, its statistics taken."""
+    """Kernel (a) with error feedback fused: ``x = g + scale · r`` written (a non-finite gradient
+    element dropped: ``x = scale · r`` there, counted), its statistics taken; the same in place
+    (the residual is the buffer itself) and in the PyTorch reference."""
     g, _, table, _ = case
-    r = torch.flip(g, [0]).clone()
+    r = torch.nan_to_num(torch.flip(g, [0]), nan=0.5, posinf=1.0, neginf=-1.0)  # residuals are finite
     s = torch.tensor(scale, dtype=g.dtype)
-    out = torch.empty_like(g)
-    mx, sm, bad = triton_ops.segment_stats(out, table, grad=g, residual=r, scale=s)
     wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-    expected = (g.to(wide) + r.to(wide) * s.to(wide)).to(g.dtype)  # rounded once, as the kernel does
-    torch.testing.assert_close(out, expected, equal_nan=True)
-    torch.testing.assert_close(out, g + r * s, equal_nan=True, atol=1e-2, rtol=1e-2)  # PyTorch rounds twice
+    gw = g.to(wide)
+    x = torch.where(torch.isfinite(gw), gw, 0) + r.to(wide) * s.to(wide)
+    bad = int((~torch.isfinite(gw) | ~torch.isfinite(x)).sum())
+    expected = torch.where(torch.isfinite(x), x, 0).to(g.dtype)  # rounded once, as the kernel does
+    out = torch.empty_like(g)
+    mx, sm, dropped = triton_ops.segment_stats(out, table, grad=g, residual=r, scale=s)
+    torch.testing.assert_close(out, expected)
+    assert int(dropped.sum()) == bad
     ref_max, ref_sum, ref_finite = reference.segment_stats(out, table)
-    assert (int(bad.sum()) == 0) == bool(ref_finite)
+    per_segment = torch.zeros_like(ref_max).scatter_reduce_(0, table.segment, mx.double(), "amax")
+    assert bool(ref_finite) and torch.equal(per_segment, ref_max)
+    in_place = r.clone()
+    triton_ops.segment_stats(in_place, table, grad=g, residual=in_place, scale=s)
+    assert torch.equal(in_place, out)
+    ref = r.clone()
+    (ref_dropped,) = reference.accumulate(ref, g, ref, s)
+    assert int(ref_dropped) == int((~torch.isfinite(g)).sum())
+    torch.testing.assert_close(ref.to(wide), expected.to(wide), rtol=2e-2 if g.element_size() < 4 else 1e-6, atol=1e-2)
+
+
+def split(numel: int, seed: int) -> np.ndarray:
+    """Bounds of a few segments of ``numel`` elements (empty ones too)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, numel + 1, (int(torch.randint(0, 5, (1,), generator=g)),), generator=g)
+    return np.array([0, *sorted(cuts.tolist()), numel], dtype=np.int64)
 
 
 @SETTINGS
 @given(dtype=st.sampled_from(DTYPES), rows=st.integers(0, 2000), numel=st.integers(1, 500),
        seed=st.integers(0, 2**31 - 1))
-def test_decode_adds_every_rank_s_rows_like_index_add(dtype, rows, numel, seed):
-    """Every rank's rows, indices shared across ranks included, added into the output."""
+def test_decode_adds_every_rank_s_rows_into_the_segments_like_index_add(dtype, rows, numel, seed):
+    """Every rank's rows, indices shared across ranks included, added into the tensors of the
+    buffer's segments (the parameters' gradients) as ``index_add_`` adds them into one buffer;
+    the PyTorch reference and the Triton kernel alike."""
     g = torch.Generator().manual_seed(seed)
     values = torch.randn(rows, generator=g).to(dtype)
     indices = torch.randint(0, numel, (rows,), generator=g)
     packed = wire.pack(values, indices)
-    ref = torch.zeros(numel, dtype=dtype)
-    reference.decode_rows(packed, ref)
-    out = torch.zeros(numel, dtype=dtype)
-    triton_ops.decode_rows(packed, out)
-    if dtype in (torch.float32, torch.float64):
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    else:  # half precision adds up in float32 there, in its own precision in index_add_
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(rows / numel)))
+    bounds = split(numel, seed)
+    flat = torch.zeros(numel, dtype=dtype).index_add_(0, indices, values)
+    for decode in (lambda t: reference.scatter_add(t, bounds, *reversed(wire.unpack(packed, dtype))),
+                   lambda t: triton_ops.decode_rows(packed, t, bounds),
+                   lambda t: triton_ops.scatter_add(values, indices, t, bounds)):
+        targets = tuple(torch.zeros(int(hi - lo), dtype=dtype) for lo, hi in zip(bounds[:-1], bounds[1:]))
+        decode(targets)
+        out = torch.cat(targets)
+        if dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(out, flat, rtol=1e-6, atol=1e-6)
+        else:  # half precision adds up in float32 there, in its own precision in index_add_
+            torch.testing.assert_close(out.float(), flat.float(), rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(rows / numel)))
 
 
 def test_rows_and_indices_keep_their_bits_at_large_offsets(monkeypatch):
@@ -153,7 +179,7 @@ def test_rows_and_indices_keep_their_bits_at_large_offsets(monkeypatch):
     _, idx, rows = sel.take(int(sel.total))
     assert idx.tolist() == [0, (1 << 24) + 1, (1 << 24) + 39]
     out = torch.zeros(n)
-    kernels.decode_rows(rows, out)
+    kernels.decode_rows(rows, (out,), np.array([0, n]))
     assert out[(1 << 24) + 1] == -3.0 and float(out.sum()) == 4.0
     empty = kernels.selection(x.clone(), torch.tensor([float("inf")]), table)
     assert int(empty.total) == 0 and empty.take(0)[2].shape == (0, wire.row_bytes(torch.float32))

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 from horovod_safusion.communicators.exdyna import Partitions, allocation
 from horovod_safusion.communicators.spardl import BSAGStep, SparDL, block_bounds, bruck_steps, srs_steps
 from horovod_safusion.communicators.zen import Zen, choose_scheme
-from horovod_safusion.communicators.zen_hash import (bitmap_decode, bitmap_encode, hash_family,
-                                                     hierarchical_hash, owned_sets)
+from horovod_safusion.communicators.zen_hash import (AffinePartition, bitmap_decode, bitmap_encode, hash_family,
+                                                     hierarchical_hash)
 
 
 @pytest.mark.parametrize("P", range(1, 34))
@@ -115,15 +115,35 @@ def test_bitmap_round_trip(bits):
     assert torch.equal(bitmap_decode(packed, len(bits)), t)
 
 
-def test_owned_sets_partition_the_indices_by_h0():
-    h0 = hash_family(3, 1, 5)[0]
-    sets, where = owned_sets(1000, h0.a, h0.b, 5)
-    assert torch.equal(torch.sort(torch.cat(sets)).values, torch.arange(1000))
-    for p, s in enumerate(sets):
-        assert bool((h0(s) == p).all()) and torch.equal(s, torch.sort(s).values)
-        assert torch.equal(where[s], torch.arange(s.numel()))
-    counts = [s.numel() for s in sets]
-    assert max(counts) * 5 / 1000 < 1.2  # universal hashing balances (Theorem 2)
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 9), st.integers(0, 10**6))
+def test_affine_partition_enumerates_the_index_sets(numel, n, seed):
+    """h0 of Balanced Parallelism partitions the buffer's indices; each index's bit position in
+    its owner's set decodes back to it (Algorithm 2's 𝕀_i[bits], without a stored 𝕀_i)."""
+    h0 = AffinePartition(seed, numel, n)
+    idx = torch.arange(numel)
+    owner = h0(idx)
+    assert bool(((owner >= 0) & (owner < n)).all())
+    seen = []
+    for i in range(n):
+        mine = idx[owner == i]
+        assert mine.numel() == h0.size(i)
+        pos = h0.position(mine, i)
+        assert torch.equal(torch.sort(pos).values, torch.arange(h0.size(i)))  # a bijection onto the bits
+        assert torch.equal(h0.members(i, pos), mine)
+        seen.append(mine)
+    assert torch.equal(torch.sort(torch.cat(seen)).values, idx)
+
+
+def test_affine_partition_balances_a_run_of_hot_indices():
+    """The hot rows of an embedding are a run of consecutive indices: h0 spreads them over the
+    partitions about evenly (Theorem 2's balance), as it does random ones."""
+    numel, n = 1_000_003, 8
+    for seed in range(5):
+        h0 = AffinePartition(seed, numel, n)
+        for idx in (torch.arange(50_000, 60_000), torch.randperm(numel)[:10_000]):
+            counts = torch.bincount(h0(idx), minlength=n)
+            assert int(counts.max()) * n / idx.numel() < 1.1, counts.tolist()
 
 
 def test_choice_by_equations_one_and_two():

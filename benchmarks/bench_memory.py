@@ -1,0 +1,248 @@
+"""Memory per worker: the plugin against Horovod on a model that is mostly one large tensor.
+
+    python benchmarks/bench_memory.py [--np 2] [--steps 40] [--schemes horovod safusion ...]
+                                      [--out out/bench_memory]
+
+The probe of the memory issue: an ``EmbeddingBag(50000, 400)`` and a ``Linear(400, 2000)``
+(20.8 M weights, 83 MB in float32), SGD with momentum 0.9, batch 64 per worker of bags of 32
+consecutive tokens of the Python standard library's source (``examples/corpus.py``), the
+target the token after the bag (the 1999 most frequent tokens, the rest one class).
+
+Every scheme runs in its own ``horovodrun -np N --gloo`` job (resident memory is per process).
+Per worker and step: ``VmRSS`` after ``step()``, and ``VmHWM`` (the peak) at the end. After the
+last step, :func:`horovod_safusion.memory.held` sums what the plugin holds in its own tensors,
+and rank 0 lists every tensor storage alive in the process (``gc``), the parameters, gradients
+and momentum buffers marked as the user's. The report gives, per scheme, the steady resident
+memory (median over the second half of the steps) and the peak, both as the difference to
+Horovod's in multiples of the model, and the plugin's own tensors; a PNG shows RSS per step.
+
+Schemes: ``horovod`` (``hvd.DistributedOptimizer``), ``safusion`` (the default), and variants
+``safusion:key=value:...`` with ``horovod_safusion.DistributedOptimizer`` keyword arguments
+(``dense=false``, ``communicator=spardl``, ``momentum_correction=true``, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+DEFAULT_SCHEMES = ("horovod", "safusion", "safusion:dense=false", "safusion:dense=false:momentum_correction=true",
+                   "safusion:dense=false:communicator=spardl", "safusion:dense=false:communicator=zen")
+
+
+def parse_kwargs(token: str) -> dict:
+    name, *pairs = token.split(":")
+    kwargs: dict = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key == "density":
+            kwargs[key] = float(value)
+        elif key in ("profile_steps", "replan_every", "warmup_steps"):
+            kwargs[key] = int(value)
+        else:
+            kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if name not in ("horovod", "safusion"):
+        kwargs.setdefault("fusion", name)
+    return kwargs
+
+
+def probe_model():
+    import torch.nn as nn
+
+    class BagClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(50000, 400, mode="mean")
+            self.out = nn.Linear(400, 2000)
+
+        def forward(self, x):
+            return self.out(self.bag(x))
+
+    return BagClassifier()
+
+
+def probe_data(rank: int, size: int, batch: int, bag: int = 32):
+    import torch
+    from corpus import stdlib_corpus
+
+    ids, _ = stdlib_corpus(vocab=50000)
+    n = len(ids)
+    span = torch.arange(bag)
+
+    def data(step: int):
+        first = (step * size + rank) * batch
+        starts = ((first + torch.arange(batch)) * (bag + 1)) % (n - bag - 1)
+        x = ids[starts[:, None] + span]
+        y = ids[starts + bag].clamp(max=1999)
+        return x, y
+    return data
+
+
+def all_storages() -> list[dict]:
+    """Every strided tensor storage reachable by ``gc`` (distinct), with a tensor's shape and dtype."""
+    import gc
+    import torch
+    seen, out = set(), []
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided:
+                continue
+            s = obj.untyped_storage()
+        except Exception:
+            continue
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        out.append({"ptr": s.data_ptr(), "bytes": s.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype)})
+    return sorted(out, key=lambda d: -d["bytes"])
+
+
+def worker(args) -> None:
+    import torch
+    import torch.nn.functional as F
+    import horovod.torch as hvd
+    import horovod_safusion as saf
+    from horovod_safusion import memory
+    from tqdm import tqdm
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = probe_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if args.scheme == "horovod":
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    else:
+        opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **parse_kwargs(args.scheme))
+    data = probe_data(rank, size, args.batch_size)
+    rss, hwm, losses = [], [], []
+    for step in tqdm(range(args.steps), desc=args.scheme, disable=rank != 0, file=sys.stdout, dynamic_ncols=True):
+        x, y = data(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        now = memory.rss()
+        rss.append(now["rss"])
+        hwm.append(now["hwm"])
+        losses.append(float(loss.detach()))
+    out = {"scheme": args.scheme, "rank": rank, "size": size, "rss": rss, "hwm": memory.rss()["hwm"], "hwm_steps": hwm,
+           "model_bytes": memory.model_bytes(opt), "losses": losses}
+    if args.scheme != "horovod":
+        h = memory.held(opt)
+        out["held"] = {"bytes": h.bytes, "by_path": h.by_path}
+        out["plan"] = {"buffers": len(opt.plan.buffers), "planner": opt.plan.planner, "dense": opt.plan.dense}
+    if rank == 0:
+        user = memory.user_storages(opt)
+        out["storages"] = [dict(d, user=("cpu", d["ptr"]) in user) for d in all_storages()]
+    with open(f"{args.out}/raw.{args.tag}.rank{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+def median_mb(values) -> float:
+    return float(np.median(values)) / 1e6
+
+
+def report(args, results: dict[str, list[dict]]) -> dict:
+    base = results.get("horovod")
+    model = results[next(iter(results))][0]["model_bytes"]
+    summary = {}
+    for scheme, ranks in results.items():
+        half = args.steps // 2
+        steady = [float(np.median(r["rss"][half:])) for r in ranks]
+        peak = [float(r["hwm"]) for r in ranks]
+        row = {"steady_rss": steady, "peak_rss": peak,
+               "held": [r.get("held", {}).get("bytes", 0) for r in ranks],
+               "plan": ranks[0].get("plan")}
+        if base is not None:
+            b_steady = [float(np.median(r["rss"][half:])) for r in base]
+            b_peak = [float(r["hwm"]) for r in base]
+            row["steady_over_horovod"] = [(s - b) / model for s, b in zip(steady, b_steady)]
+            row["peak_over_horovod"] = [(p - b) / model for p, b in zip(peak, b_peak)]
+        summary[scheme] = row
+    print(f"\nmodel: {model / 1e6:.1f} MB of trainable float32; {args.np} workers, {args.steps} steps; "
+          "RSS per worker (MB), worst rank; 'x model' = (scheme - horovod) / model")
+    head = f"{'scheme':<52} {'steady':>8} {'peak':>8} {'steady x':>9} {'peak x':>8} {'held x':>7}  plan"
+    print(head)
+    print("-" * len(head))
+    for scheme, row in summary.items():
+        so = max(row.get("steady_over_horovod", [float("nan")]))
+        po = max(row.get("peak_over_horovod", [float("nan")]))
+        plan = row["plan"] or {}
+        plan_s = f"{plan.get('planner')}, {plan.get('buffers')} buffers{', dense' if plan.get('dense') else ''}" if plan else ""
+        print(f"{scheme:<52} {max(row['steady_rss']) / 1e6:8.0f} {max(row['peak_rss']) / 1e6:8.0f} "
+              f"{so:9.2f} {po:8.2f} {max(row['held']) / model:7.2f}  {plan_s}")
+    for scheme, ranks in results.items():
+        r0 = next(r for r in ranks if r["rank"] == 0)
+        if "held" in r0:
+            print(f"\n{scheme}: the plugin's own tensors on rank 0 (storage, first path that reaches it)")
+            for path, n in list(r0["held"]["by_path"].items())[:10]:
+                print(f"  {n / 1e6:9.2f} MB  {path}")
+        big = [s for s in r0["storages"] if s["bytes"] >= model // 20]
+        print(f"{scheme}: storages of at least 5 % of the model alive on rank 0 after the run:")
+        for s in big:
+            print(f"  {s['bytes'] / 1e6:9.2f} MB  {s['dtype']:<14} {str(s['shape']):<16} {'user' if s['user'] else 'other'}")
+    return summary
+
+
+def plot(args, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for scheme, ranks in results.items():
+        r0 = next(r for r in ranks if r["rank"] == 0)
+        ax.plot(np.arange(len(r0["rss"])), np.array(r0["rss"]) / 1e6, label=scheme)
+    ax.set_xlabel("step")
+    ax.set_ylabel("VmRSS of rank 0 after step() (MB)")
+    ax.set_title("Resident memory per worker, EmbeddingBag(50000, 400) + Linear(400, 2000)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{args.out}/bench_memory.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
+    ap.add_argument("--out", default="out/bench_memory")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--scheme", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    for i, scheme in enumerate(args.schemes):
+        tag = f"s{i}"
+        cmd = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+               os.path.abspath(__file__), "--worker", "--scheme", scheme, "--tag", tag, "--out", args.out,
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "examples"), ROOT]))
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode:
+            print(f"{scheme}: the job failed (exit {proc.returncode})", file=sys.stderr)
+            continue
+        results[scheme] = [json.load(open(f"{args.out}/raw.{tag}.rank{r}.json")) for r in range(args.np)]
+    summary = report(args, results)
+    with open(f"{args.out}/results.json", "w") as f:
+        json.dump({"summary": summary, "steps": args.steps, "np": args.np}, f, indent=1)
+    plot(args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Worker of ``test_memory.py`` (launched by ``horovodrun``): what the plugin holds, measured.
+
+For each configuration — the default, ``dense=False``, each communicator, momentum correction —
+a model of 1.7 M weights (an ``EmbeddingBag(6000, 256)`` and two linear layers: one large
+tensor, as in the models that barely fit) trains with SGD and momentum until the plugin has
+switched to the profiled plan and settled, and a few steps more. Then
+:func:`horovod_safusion.memory.held` sums the distinct tensor storages the optimizer, controller,
+compressor, communicator and profiler hold, and the peak during the run is read from the same walk
+after every step. The default configuration then trains 300 more steps, and its resident memory
+(``VmRSS``, free heap memory handed back first) is sampled every 10 steps. Records go to
+``OUT/memory.rank{r}.json``.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+import horovod.torch as hvd
+
+import horovod_safusion as saf
+from horovod_safusion import memory
+
+CONFIGS = {
+    "default": {},
+    "dense=False": {"dense": False},
+    "allgather": {"communicator": "allgather", "dense": False},
+    "allreduce": {"communicator": "allreduce"},
+    "spardl": {"communicator": "spardl", "dense": False},
+    "zen": {"communicator": "zen", "dense": False},
+    "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
+    "momentum_correction": {"momentum_correction": True, "dense": False},
+}
+LIBC = ctypes.CDLL("libc.so.6")
+SETTLED_STEPS = 5  # trained after the plan settled, before the walk
+LEAK_STEPS = 300
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(6000, 256, mode="mean")
+        self.hidden = nn.Linear(256, 512)
+        self.out = nn.Linear(512, 10)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(self.bag(x))))
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 6000, (32, 16), generator=g)
+    return x, x[:, 0] % 10
+
+
+def train(opt, model, steps: int, first: int, watch=None) -> int:
+    for step in range(first, first + steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if watch is not None:
+            watch()
+    return first + steps
+
+
+def run_config(kwargs: dict, leak: bool) -> dict:
+    torch.manual_seed(0)
+    model = Model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), profile_steps=4, **kwargs)
+    peak = [0]
+
+    def watch():
+        peak[0] = max(peak[0], memory.held(opt).bytes)
+
+    step = 0
+    while not opt.settled or opt.plan.planner == "provisional":
+        step = train(opt, model, 1, step, watch)
+        if step > 60:
+            raise RuntimeError("the optimizer did not settle in 60 steps")
+    step = train(opt, model, SETTLED_STEPS, step, watch)
+    gc.collect()
+    held = memory.held(opt)
+    out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0],
+           "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner, "dense": opt.plan.dense,
+           "buffers": len(opt.plan.buffers), "settled_at": step}
+    if leak:
+        step = train(opt, model, 20, step)  # allocator and caches warm
+        samples = []
+        for _ in range(LEAK_STEPS // 10):
+            step = train(opt, model, 10, step)
+            samples.append(resident())
+        out["rss"] = samples
+    return out
+
+
+def resident() -> int:
+    """RSS with the allocator's free memory handed back (``malloc_trim``), so that what is left
+    is what is alive, give or take fragmentation."""
+    gc.collect()
+    LIBC.malloc_trim(0)
+    return memory.rss()["rss"]
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    hvd.init()
+    torch.set_num_threads(1)
+    records: dict = {}
+    try:
+        for name, kwargs in CONFIGS.items():
+            records[name] = run_config(kwargs, leak=name == "default")
+    except Exception:
+        records["exception"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"memory.rank{hvd.rank()}.json"), "w") as f:
+        json.dump(records, f)
+    if "exception" in records:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
