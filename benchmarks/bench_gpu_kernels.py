@@ -10,7 +10,9 @@ one host read, compaction into the wire rows — and the rows of 4 ranks through
 Triton kernels and with the PyTorch path alternately, ``--alternations`` times (these machines
 drift, so ratios are taken per alternation). Throughput is the buffer's bytes (selection) or the
 rows' bytes (decode) per second; the device's bandwidth is measured by a device-to-device copy.
-It prints a table and writes ``gpu_kernels.png`` and ``results.json`` to ``--out``.
+Memory: the peak that one selection and one decode allocate beyond the buffer they work on
+(``torch.cuda.max_memory_allocated``), as a multiple of the buffer's bytes. It prints a table
+and writes ``gpu_kernels.png`` and ``results.json`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from horovod_safusion import kernels
+from horovod_safusion import kernels, memory
 from horovod_safusion.segment import Segments
 
 SEGMENTS = 16
@@ -66,12 +68,30 @@ def case(numel: int, density: float, device: torch.device, dtype: torch.dtype):
     return flat, kernels.block_table(segments, device), thr
 
 
-def select(flat: torch.Tensor, table, thr: torch.Tensor) -> torch.Tensor:
-    """The device path of one buffer: statistics, compare-and-count, one host read, compaction."""
-    work = flat.clone()
+def select(flat: torch.Tensor, table, thr: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The device path of one buffer: statistics, compare-and-count, one host read, compaction
+    (on a copy of ``flat``, ``work`` if given, since the selection takes what it sends out)."""
+    work = flat.clone() if work is None else work.copy_(flat)
     kernels.segment_stats(work, table)
     sel = kernels.selection(work, thr, table)
     return sel.take(int(sel.total))[2]
+
+
+def peak_extra(fn, device: torch.device) -> int:
+    """Bytes that ``fn`` allocates at its peak beyond what is allocated when it starts (its
+    workspaces and outputs): ``torch.cuda.max_memory_allocated`` on a GPU, the rise of the
+    resident set on the CPU (page-granular, for the smoke test)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    base = memory.resident()
+    memory.reset_peak()
+    fn()
+    return max(0, memory.rss()["hwm"] - base)
 
 
 def main() -> None:
@@ -101,12 +121,17 @@ def main() -> None:
             for density in args.densities:
                 flat, table, thr = case(int(size), density, device, dtype)
                 samples = {"triton": {"select": [], "decode": []}, "torch": {"select": [], "decode": []}}
+                extra = {"triton": {}, "torch": {}}
+                work = torch.empty_like(flat)
                 for _ in range(args.alternations):
                     for backend in ("triton", "torch"):
                         os.environ["HOROVOD_SAFUSION_KERNELS"] = backend
                         rows = select(flat, table, thr)
                         gathered = torch.cat([rows] * args.ranks)
                         out = torch.zeros(flat.numel(), dtype=dtype, device=device)
+                        extra[backend]["select"] = peak_extra(lambda: select(flat, table, thr, work), device)
+                        extra[backend]["decode"] = peak_extra(lambda: kernels.decode_rows(gathered, out.zero_()),
+                                                              device)
                         samples[backend]["select"].append(timed(lambda: select(flat, table, thr), args.repeat))
                         samples[backend]["decode"].append(
                             timed(lambda: kernels.decode_rows(gathered, out.zero_()), args.repeat))
@@ -118,6 +143,8 @@ def main() -> None:
                 for backend, s in samples.items():
                     rec[f"{backend}_select_GBps"] = buffer_bytes / float(np.median(s["select"])) / 1e9
                     rec[f"{backend}_decode_GBps"] = row_bytes / float(np.median(s["decode"])) / 1e9
+                    for op in ("select", "decode"):  # peak memory beyond the buffer, x the buffer
+                        rec[f"{backend}_{op}_extra"] = extra[backend][op] / buffer_bytes
                 for op in ("select", "decode"):
                     ratio = np.array(samples["torch"][op]) / np.array(samples["triton"][op])
                     rec[f"{op}_speedup"] = [float(np.median(ratio)), float(ratio.min()), float(ratio.max())]
@@ -126,12 +153,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter: not a speed)"
     print(f"\n{name}; copy bandwidth {peak / 1e9:.0f} GB/s; {args.dtype}; decode of {args.ranks} ranks' rows")
     print(f"{'elements':>11} {'density':>8} | {'select GB/s triton':>18} {'torch':>7} {'speedup [min-max]':>20} "
-          f"| {'decode GB/s triton':>18} {'torch':>7} {'speedup [min-max]':>20}")
+          f"| {'decode GB/s triton':>18} {'torch':>7} {'speedup [min-max]':>20} "
+          f"| {'peak memory x buffer: select triton':>35} {'torch':>6} {'decode triton':>13} {'torch':>6}")
     for r in rows_out:
         s, d = r["select_speedup"], r["decode_speedup"]
         print(f"{r['numel']:>11} {r['density']:>8} | {r['triton_select_GBps']:>18.1f} {r['torch_select_GBps']:>7.1f} "
               f"{s[0]:>8.2f} [{s[1]:.2f}-{s[2]:.2f}] | {r['triton_decode_GBps']:>18.1f} {r['torch_decode_GBps']:>7.1f} "
-              f"{d[0]:>8.2f} [{d[1]:.2f}-{d[2]:.2f}]")
+              f"{d[0]:>8.2f} [{d[1]:.2f}-{d[2]:.2f}] | {r['triton_select_extra']:>35.3f} "
+              f"{r['torch_select_extra']:>6.3f} {r['triton_decode_extra']:>13.3f} {r['torch_decode_extra']:>6.3f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"device": name, "dtype": args.dtype, "rows": rows_out}, f, indent=1)

@@ -9,8 +9,9 @@ consecutive tokens of the Python standard library's source (``examples/corpus.py
 target the token after the bag (the 1999 most frequent tokens, the rest one class).
 
 Every scheme runs in its own ``horovodrun -np N --gloo`` job (resident memory is per process).
-Per worker and step: ``VmRSS`` after ``step()``, and ``VmHWM`` (the peak) at the end. After the
-last step, :func:`horovod_safusion.memory.held` sums what the plugin holds in its own tensors,
+Per worker and step: ``VmRSS`` after ``step()``, the step's own peak over the resident set before
+it (``VmHWM`` restarted per step, :func:`horovod_safusion.memory.reset_peak`: where a peak comes
+from), and the run's peak. After the last step, :func:`horovod_safusion.memory.held` sums what the plugin holds in its own tensors,
 and rank 0 lists every tensor storage alive in the process (``gc``), the parameters, gradients
 and momentum buffers marked as the user's. The report gives, per scheme, the steady resident
 memory (median over the second half of the steps) and the peak, both as the difference to
@@ -34,6 +35,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+#: glibc serves allocations from this size on as mappings of their own (fixed: by default it raises
+#: the threshold as large blocks are freed and serves them from the heap, whose pages stay resident
+#: after a free, so the resident set would depend on the order of past allocations, by up to the
+#: model's size between two runs of the same job), so the resident set follows tensors as they come and go.
+MMAP_THRESHOLD = 1 << 16
 DEFAULT_SCHEMES = ("horovod", "safusion", "safusion:dense=false", "safusion:dense=false:momentum_correction=true",
                    "safusion:dense=false:communicator=spardl", "safusion:dense=false:communicator=zen")
 
@@ -125,19 +131,24 @@ def worker(args) -> None:
     else:
         opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **parse_kwargs(args.scheme))
     data = probe_data(rank, size, args.batch_size)
-    rss, hwm, losses = [], [], []
+    rss, hwm, rise, losses = [], [], [], []
+    peak = memory.rss()["hwm"]
     for step in tqdm(range(args.steps), desc=args.scheme, disable=rank != 0, file=sys.stdout, dynamic_ncols=True):
         x, y = data(step)
+        before = memory.rss()["rss"]
+        memory.reset_peak()  # this step's own peak; the run's is kept in `peak`
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         now = memory.rss()
+        peak = max(peak, now["hwm"])
         rss.append(now["rss"])
-        hwm.append(now["hwm"])
+        hwm.append(peak)
+        rise.append(now["hwm"] - before)
         losses.append(float(loss.detach()))
-    out = {"scheme": args.scheme, "rank": rank, "size": size, "rss": rss, "hwm": memory.rss()["hwm"], "hwm_steps": hwm,
-           "model_bytes": memory.model_bytes(opt), "losses": losses}
+    out = {"scheme": args.scheme, "rank": rank, "size": size, "rss": rss, "hwm": peak, "hwm_steps": hwm,
+           "rise": rise, "model_bytes": memory.model_bytes(opt), "losses": losses}
     if args.scheme != "horovod":
         h = memory.held(opt)
         out["held"] = {"bytes": h.bytes, "by_path": h.by_path}
@@ -182,6 +193,10 @@ def report(args, results: dict[str, list[dict]]) -> dict:
         plan_s = f"{plan.get('planner')}, {plan.get('buffers')} buffers{', dense' if plan.get('dense') else ''}" if plan else ""
         print(f"{scheme:<52} {max(row['steady_rss']) / 1e6:8.0f} {max(row['peak_rss']) / 1e6:8.0f} "
               f"{so:9.2f} {po:8.2f} {max(row['held']) / model:7.2f}  {plan_s}")
+    print("\nthe largest rise within one step over the resident set before it (x model), worst rank:")
+    for scheme, ranks in results.items():
+        step, rise = max(((i, v) for r in ranks for i, v in enumerate(r["rise"])), key=lambda iv: iv[1])
+        print(f"  {scheme:<52} step {step:>3}: {rise / model:5.2f}")
     for scheme, ranks in results.items():
         r0 = next(r for r in ranks if r["rank"] == 0)
         if "held" in r0:
@@ -232,7 +247,8 @@ def main() -> None:
         cmd = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
                os.path.abspath(__file__), "--worker", "--scheme", scheme, "--tag", tag, "--out", args.out,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "examples"), ROOT]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "examples"), ROOT]),
+                   MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
         proc = subprocess.run(cmd, env=env)
         if proc.returncode:
             print(f"{scheme}: the job failed (exit {proc.returncode})", file=sys.stderr)

@@ -63,9 +63,15 @@ in both orders — compute alone 0.756 s/it [0.702–0.792] and 0.765 [0.649–0
 comes close to CPU time (0.66–0.71 CPU s/it for compute): the two workers stop taking turns on
 the same core. ``--no-pin`` when the workers outnumber the cores or other jobs are pinned.
 
-Memory: every scheme's model and optimizer live at once; the LSTM job peaked at 6.9 GB per worker
-(our optimizers hold residuals and buffers: 0.5–0.7 GB each against 0.25–0.3 GB for a dense peer),
-so with more workers than 2 on a small machine run ``--models`` one at a time or fewer schemes.
+Memory per worker and scheme: the schemes are built and warmed up one after the other, so the
+resident set (``VmRSS`` with the allocator's free memory handed back) after a scheme's build and
+warm-up minus before is what the scheme holds (its model, its optimizer, gradients, its state:
+``steady``); the peak (``VmHWM``, restarted per phase with ``/proc/self/clear_refs``) during its
+build and warm-up (profiling and the plan switch included) and during its timed steps gives its
+``peak`` over the same baseline. ``held`` is what our optimizer holds in its own tensors
+(:func:`horovod_safusion.memory.held`). Every scheme's model and optimizer live at once, so the
+job's own peak is their sum: with more workers than 2 on a small machine run ``--models`` one at a
+time or fewer schemes.
 """
 from __future__ import annotations
 
@@ -285,6 +291,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     import horovod.torch as hvd
     from tqdm import tqdm
+    from horovod_safusion import memory
 
     hvd.init()
     torch.set_num_threads(1)
@@ -297,16 +304,26 @@ def worker(args) -> None:
     meta: dict[str, dict] = {}
     for model_name in args.models:
         make_model, data, loss_fn, lr = make_task(model_name, rank, size, args)
-        runs = [build(key, kind, kw, make_model, data, loss_fn, lr, args) for key, kind, kw in schemes]
-        params = sum(p.numel() for p in make_model().parameters())
-        with tqdm(total=len(runs), desc=f"{args.link} {model_name} warm-up", disable=rank != 0,
+        probe = make_model()
+        params = sum(p.numel() for p in probe.parameters())
+        model_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+        del probe
+        runs, mem = [], {}
+        with tqdm(total=len(schemes), desc=f"{args.link} {model_name} warm-up", disable=rank != 0,
                   file=sys.stdout, dynamic_ncols=True) as bar:
-            for run in runs:
+            for key, kind, kw in schemes:  # each built and warmed up in turn: its memory apart
                 barrier()
+                before = memory.resident()
+                memory.reset_peak()
+                run = build(key, kind, kw, make_model, data, loss_fn, lr, args)
                 for _ in range(run.warmup):
                     run.step()
                 while not getattr(run.opt, "settled", True):  # our profile, and a sparse/dense trial
                     run.step()
+                peak = memory.rss()["hwm"] - before
+                mem[key] = {"steady": memory.resident() - before, "warmup_peak": peak, "step_peak": 0,
+                            "held": memory.held(run.opt).bytes if kind == "saf" else None}
+                runs.append(run)
                 bar.update()
         samples: dict[str, list] = {run.key: [] for run in runs}
         orders = []
@@ -318,12 +335,16 @@ def worker(args) -> None:
                 for run in order:
                     run.step()  # untimed: the switch from the previous scheme
                     barrier()
+                    base = memory.rss()["rss"]
+                    memory.reset_peak()
                     th0, c0, t0 = thread_cpu(), time.process_time(), time.perf_counter()
                     for _ in range(args.steps):
                         run.step()
                     wall = (time.perf_counter() - t0) / args.steps
                     cpu = (time.process_time() - c0) / args.steps
                     main, other, by = thread_delta(th0, thread_cpu())
+                    m = mem[run.key]
+                    m["step_peak"] = max(m["step_peak"], memory.rss()["hwm"] - base)
                     sample = {"round": rnd, "wall": wall, "cpu": cpu, "training": main / args.steps,
                               "other": other / args.steps, "threads": {k: v / args.steps for k, v in by.items()}}
                     if run.key in OURS or ":" in run.key:
@@ -333,6 +354,8 @@ def worker(args) -> None:
         raw[model_name] = hvd.allgather_object(samples, name=f"bench_peers.samples.{model_name}")
         meta[model_name] = {"params": params, "orders": orders,
                             "warmup": {run.key: run.warmup for run in runs},
+                            "model_bytes": model_bytes,
+                            "memory": hvd.allgather_object(mem, name=f"bench_peers.memory.{model_name}"),
                             "max_rss_gb": hvd.allgather_object(
                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                 name=f"bench_peers.rss.{model_name}")}
@@ -450,7 +473,19 @@ def ratios(num: list[dict], den: list[dict]) -> dict:
     return stats(a[k] / b[k] for k in sorted(a.keys() & b.keys()))
 
 
-def summarise(per_rank: list[dict]) -> dict:
+def footprint(per_rank_memory: list[dict], key: str) -> dict:
+    """One scheme's memory per worker, the worst rank, in bytes: ``steady`` (resident after its
+    build and warm-up, minus before), ``peak`` (the larger of the peak during build and warm-up and
+    steady plus the largest rise within its timed steps) and ``held`` (our optimizer's own tensors,
+    :func:`horovod_safusion.memory.held`; None for the peers)."""
+    ms = [m[key] for m in per_rank_memory]
+    held = [m["held"] for m in ms if m["held"] is not None]
+    return {"steady": max(m["steady"] for m in ms),
+            "peak": max(max(m["warmup_peak"], m["steady"] + m["step_peak"]) for m in ms),
+            "held": max(held) if held else None}
+
+
+def summarise(per_rank: list[dict], per_rank_memory: list[dict] | None = None) -> dict:
     keys = list(per_rank[0])
     rounds = {k: per_round(per_rank, k) for k in keys}
     out = {"schemes": {}, "speedups": {}}
@@ -459,6 +494,8 @@ def summarise(per_rank: list[dict]) -> dict:
                **{c: stats(r[c] for r in rounds[k]) for c in ("cpu", "training", "other")}}
         if "compute" in rounds:
             row["scaling"] = ratios(rounds["compute"], rounds[k])
+        if per_rank_memory:
+            row["memory"] = footprint(per_rank_memory, k)
         out["schemes"][k] = row
     if "safusion" in rounds:
         for peer in VS:
@@ -483,19 +520,27 @@ def report(results: dict, args) -> dict:
         for link, res in results.items():
             if model not in res["per_rank"]:
                 continue
-            s = summarise(res["per_rank"][model])
-            s["params"] = res["meta"][model]["params"]
+            meta = res["meta"][model]
+            s = summarise(res["per_rank"][model], meta.get("memory"))
+            s["params"] = meta["params"]
+            mb = s["model_bytes"] = meta.get("model_bytes", 4 * meta["params"])
             s["max_rss_gb"] = res["meta"][model]["max_rss_gb"]
             summary.setdefault(model, {})[link] = s
             print(f"\n{model} ({s['params'] / 1e6:.1f} M weights), link {link}, {res['workers']} workers, "
                   f"batch {args.batch_size}/worker, {args.alternations} alternations x {args.steps} steps, "
                   f"pinned {res['pinned_cores']}")
             print(f"{'scheme':<16} {'s/iteration [min–max]':>24} | {'CPU s/it/worker':>15} {'training':>9} "
-                  f"{'other thr':>9} | {'scaling [min–max]':>20}")
+                  f"{'other thr':>9} | {'scaling [min–max]':>20} | {'steady MB':>9} {'peak MB':>8} {'held x':>6}")
             for k, row in s["schemes"].items():
+                m = row.get("memory")
+                mem = (f"{m['steady'] / 1e6:9.0f} {m['peak'] / 1e6:8.0f} "
+                       f"{'-' if m['held'] is None else format(m['held'] / mb, '.2f'):>6}") if m else ""
                 print(f"{k:<16} {fmt(row['wall']):>24} | {row['cpu']['median']:>15.3f} "
                       f"{row['training']['median']:>9.3f} {row['other']['median']:>9.3f} | "
-                      f"{fx(row['scaling']) if 'scaling' in row else '-':>20}")
+                      f"{fx(row['scaling']) if 'scaling' in row else '-':>20} | {mem}")
+            print(f"memory per worker, worst rank: steady = resident after the scheme's build and warm-up "
+                  f"minus before (its model copy and state, {mb / 1e6:.0f} MB of weights); peak = its "
+                  "highest rise over that baseline; held x = our optimizer's own tensors / the model")
             if s["speedups"]:
                 print("safusion speedup = peer s/it / safusion s/it (median [min–max] of per-alternation "
                       "ratios; >1: safusion faster)")

@@ -7,11 +7,17 @@ the compressor, the communicator, the profiler — and sums the bytes of the *di
 storages they reach (two views of one storage count once, a NumPy array that views a tensor's
 memory counts with it). The model's parameters, their gradients and the wrapped optimizer's own
 state (SGD's momentum buffers) belong to the user, as with ``hvd.DistributedOptimizer``, and are
-left out. :func:`rss` reads the resident set (``VmRSS``) and its peak (``VmHWM``) of this process.
+left out. :func:`rss` reads the resident set (``VmRSS``) and its peak (``VmHWM``) of this process,
+:func:`resident` the resident set with the allocator's free memory handed back, and
+:func:`reset_peak` starts a new peak, so that one process can measure the peak of each phase.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
+import gc
 from typing import Any, Iterator
 
 import numpy as np
@@ -137,3 +143,24 @@ def rss() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out["rss" if key == "VmRSS" else "hwm"] = int(value.split()[0]) * 1024
     return out
+
+
+def resident() -> int:
+    """This process's resident set in bytes after a garbage collection and with the C allocator's
+    free memory handed back to the system (``malloc_trim``, glibc), so that what is left is what is
+    alive, give or take fragmentation."""
+    gc.collect()
+    _libc().malloc_trim(0)
+    return rss()["rss"]
+
+
+def reset_peak() -> None:
+    """Start a new peak: ``VmHWM`` is set to the current resident set (``/proc/self/clear_refs``,
+    Linux 4.0 and later), so :func:`rss`'s ``hwm`` is the peak since this call."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

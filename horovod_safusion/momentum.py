@@ -118,12 +118,15 @@ class MomentumCorrection:
         ``u = rescale · u``); returns what joins the residual: ``u``, or ``g + wd · w + m · u``
         with Nesterov (not finite where ``g`` is not, so that the residual's fill drops and counts
         those elements). On the host a finite gradient (the common case, one check) updates ``u``
-        with no temporary; the device path never reads back and always masks."""
+        with no temporary; the device path never reads back and always masks. The check is whether
+        the *sum* is finite: a non-finite element makes it inf or NaN, and a finite gradient whose
+        sum overflows only takes the masked path, whose result is the same; ``isfinite(d).all()``
+        would allocate ``|d|`` and a mask of the tensor's size in every step."""
         p = buf.params[slot]
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
         d = g if wd == 0 else torch.add(g, p.detach().reshape(-1), alpha=wd)
-        finite = on_host and bool(torch.isfinite(d).all())
+        finite = on_host and bool(torch.isfinite(d.sum()))
         factor = m if rescale is None else rescale * m
         if finite:
             if rescale is None:

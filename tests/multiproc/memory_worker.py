@@ -6,13 +6,16 @@ tensor, as in the models that barely fit) trains with SGD and momentum until the
 switched to the profiled plan and settled, and a few steps more. Then
 :func:`horovod_safusion.memory.held` sums the distinct tensor storages the optimizer, controller,
 compressor, communicator and profiler hold, and the peak during the run is read from the same walk
-after every step. The default configuration then trains 300 more steps, and its resident memory
+after every step. The resident peak of each configuration (``VmHWM`` restarted when it starts,
+over the resident set then) is measured too, and that of ``hvd.DistributedOptimizer`` trained
+the same way: the difference is what the plugin adds at its peak, transients within a step
+included (the launcher sets a fixed ``MALLOC_MMAP_THRESHOLD_``, so that every large tensor is its
+own mapping and the resident set follows allocations and frees page by page). The default configuration then trains 300 more steps, and its resident memory
 (``VmRSS``, free heap memory handed back first) is sampled every 10 steps. Records go to
 ``OUT/memory.rank{r}.json``.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -28,6 +31,7 @@ import horovod_safusion as saf
 from horovod_safusion import memory
 
 CONFIGS = {
+    "horovod": None,  # hvd.DistributedOptimizer: the baseline of the resident peaks
     "default": {},
     "dense=False": {"dense": False},
     "allgather": {"communicator": "allgather", "dense": False},
@@ -37,7 +41,6 @@ CONFIGS = {
     "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
     "momentum_correction": {"momentum_correction": True, "dense": False},
 }
-LIBC = ctypes.CDLL("libc.so.6")
 SETTLED_STEPS = 5  # trained after the plan settled, before the walk
 LEAK_STEPS = 300
 
@@ -70,7 +73,23 @@ def train(opt, model, steps: int, first: int, watch=None) -> int:
     return first + steps
 
 
+def run_horovod() -> dict:
+    """The baseline: Horovod's optimizer trained as long as a configuration, its resident peak
+    over the resident set before its model was built."""
+    base = memory.resident()
+    memory.reset_peak()
+    torch.manual_seed(0)
+    model = Model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    train(opt, model, 20, 0)
+    return {"model_bytes": memory.model_bytes(opt), "peak_rise": memory.rss()["hwm"] - base}
+
+
 def run_config(kwargs: dict, leak: bool) -> dict:
+    base = memory.resident()
+    memory.reset_peak()
     torch.manual_seed(0)
     model = Model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -87,9 +106,10 @@ def run_config(kwargs: dict, leak: bool) -> dict:
         if step > 60:
             raise RuntimeError("the optimizer did not settle in 60 steps")
     step = train(opt, model, SETTLED_STEPS, step, watch)
+    peak_rise = memory.rss()["hwm"] - base
     gc.collect()
     held = memory.held(opt)
-    out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0],
+    out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0], "peak_rise": peak_rise,
            "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner, "dense": opt.plan.dense,
            "buffers": len(opt.plan.buffers), "settled_at": step}
     if leak:
@@ -97,17 +117,10 @@ def run_config(kwargs: dict, leak: bool) -> dict:
         samples = []
         for _ in range(LEAK_STEPS // 10):
             step = train(opt, model, 10, step)
-            samples.append(resident())
+            samples.append(memory.resident())
         out["rss"] = samples
     return out
 
-
-def resident() -> int:
-    """RSS with the allocator's free memory handed back (``malloc_trim``), so that what is left
-    is what is alive, give or take fragmentation."""
-    gc.collect()
-    LIBC.malloc_trim(0)
-    return memory.rss()["rss"]
 
 
 def main() -> None:
@@ -116,8 +129,10 @@ def main() -> None:
     torch.set_num_threads(1)
     records: dict = {}
     try:
+        run_horovod()  # once-per-process allocations (Horovod's fusion buffer, Gloo's, the kernels')
+        run_config({"dense": False}, leak=False)  # are made before anything is measured
         for name, kwargs in CONFIGS.items():
-            records[name] = run_config(kwargs, leak=name == "default")
+            records[name] = run_horovod() if kwargs is None else run_config(kwargs, leak=name == "default")
     except Exception:
         records["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"memory.rank{hvd.rank()}.json"), "w") as f:
