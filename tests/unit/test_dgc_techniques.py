@@ -69,6 +69,43 @@ def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
     assert sent_somewhere > 0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test_momentum_correction_keeps_u_where_the_gradient_is_not_finite(hvd, bad):
+    """A gradient element that is not finite leaves u as it was there (u elsewhere advances), the
+    step arrives as NaN, and no residual takes a NaN. ``3e38`` is finite but the tensor's sum
+    overflows: the masked path then gives what the unmasked one would."""
+    model, opt = make(compressor="topk", density=0.05, momentum_correction=True, momentum_masking=False)
+    names = dict(model.named_parameters())
+    ctl = opt._controller
+    for step in range(2):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+    name = max(names, key=lambda n: names[n].numel())
+    p = names[name]
+    u_before = ctl.momentum.momentum(name).clone()
+    opt.zero_grad()
+    mask = torch.zeros(p.numel(), dtype=torch.bool)
+    mask[:2] = True
+    hook = p.register_hook(lambda g: torch.where(mask.view(g.shape), torch.full_like(g, bad), g))
+    backward(model, 2)  # the hook puts `bad` into the gradient before the plugin's hook reads it
+    hook.remove()
+    grad = p.grad.detach().view(-1).clone()
+    opt.synchronize()
+    u_after = ctl.momentum.momentum(name)
+    expected = torch.add(grad, u_before, alpha=0.9)
+    if math.isfinite(bad):
+        assert torch.equal(u_after, expected)
+    else:
+        assert torch.equal(u_after[:2], u_before[:2]), "u changed where the gradient was not finite"
+        assert torch.equal(u_after[2:], expected[2:])
+        assert torch.isnan(p.grad).all(), "a non-finite step must arrive as NaN"
+        for n in names:
+            assert torch.isfinite(opt.residuals.get(n, names[n].detach().view(-1))).all(), n
+    with opt.skip_synchronize():
+        opt.step()
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_momentum_correction_at_density_1_is_sgd_with_momentum(hvd, nesterov):
     """Everything sent (dense, no masking): the same trajectory as the wrapped SGD's own momentum,
