@@ -77,6 +77,13 @@ def select(flat: torch.Tensor, table, thr: torch.Tensor, work: torch.Tensor | No
     return sel.take(int(sel.total))[2]
 
 
+def decode(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode as the communicators do: into one target tensor per segment (the gradients)."""
+    size = out.numel() // SEGMENTS
+    out.zero_()
+    kernels.decode_rows(rows, tuple(out.split(size)), np.arange(SEGMENTS + 1) * size)
+
+
 def peak_extra(fn, device: torch.device) -> int:
     """Bytes that ``fn`` allocates at its peak beyond what is allocated when it starts (its
     workspaces and outputs): ``torch.cuda.max_memory_allocated`` on a GPU, the rise of the
@@ -130,11 +137,9 @@ def main() -> None:
                         gathered = torch.cat([rows] * args.ranks)
                         out = torch.zeros(flat.numel(), dtype=dtype, device=device)
                         extra[backend]["select"] = peak_extra(lambda: select(flat, table, thr, work), device)
-                        extra[backend]["decode"] = peak_extra(lambda: kernels.decode_rows(gathered, out.zero_()),
-                                                              device)
+                        extra[backend]["decode"] = peak_extra(lambda: decode(gathered, out), device)
                         samples[backend]["select"].append(timed(lambda: select(flat, table, thr), args.repeat))
-                        samples[backend]["decode"].append(
-                            timed(lambda: kernels.decode_rows(gathered, out.zero_()), args.repeat))
+                        samples[backend]["decode"].append(timed(lambda: decode(gathered, out), args.repeat))
                         bar.update()
                 buffer_bytes = flat.numel() * flat.element_size()
                 row_bytes = gathered.numel()
