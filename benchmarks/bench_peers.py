@@ -63,7 +63,8 @@ in both orders — compute alone 0.756 s/it [0.702–0.792] and 0.765 [0.649–0
 comes close to CPU time (0.66–0.71 CPU s/it for compute): the two workers stop taking turns on
 the same core. ``--no-pin`` when the workers outnumber the cores or other jobs are pinned.
 
-Memory per worker and scheme: the schemes are built and warmed up one after the other, so the
+Memory per worker and scheme: after a throwaway model has trained two steps (what the process
+allocates once is nobody's), the schemes are built and warmed up one after the other, so the
 resident set (``VmRSS`` with the allocator's free memory handed back) after a scheme's build and
 warm-up minus before is what the scheme holds (its model, its optimizer, gradients, its state:
 ``steady``); the peak (``VmHWM``, restarted per phase with ``/proc/self/clear_refs``) during its
@@ -309,6 +310,10 @@ def worker(args) -> None:
         model_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
         del probe
         runs, mem = [], {}
+        throwaway = build("compute", "compute", {}, make_model, data, loss_fn, lr, args)
+        for _ in range(2):  # what the process allocates once (thread pools, caches) is not any scheme's
+            throwaway.step()
+        del throwaway
         with tqdm(total=len(schemes), desc=f"{args.link} {model_name} warm-up", disable=rank != 0,
                   file=sys.stdout, dynamic_ncols=True) as bar:
             for key, kind, kw in schemes:  # each built and warmed up in turn: its memory apart
