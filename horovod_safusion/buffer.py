@@ -67,6 +67,7 @@ class FusionBuffer:
         self.dropped: "int | torch.Tensor" = 0  # non-finite gradient elements the fill dropped (a device count)
         self.poisoned = False  # this rank's gradient had non-finite elements (decided at launch)
         self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
+        self.siblings: list[FusionBuffer] = [self]  # the plan's buffers allocated together (link())
 
     def reset(self) -> None:
         """Forget the step in flight (after synchronize, or when a step is abandoned)."""
@@ -80,33 +81,47 @@ class FusionBuffer:
         return slice(off, off + self.segments.sizes[slot])
 
     def allocate(self, plane: str) -> torch.Tensor:
-        """The flat tensor of ``plane`` (``"flat"`` or ``"momentum"``), allocated (uninitialised)
-        if the buffer has none."""
+        """The flat tensor of ``plane`` (``"flat"`` or ``"momentum"``). If the buffer has none, one
+        zeroed tensor is allocated for it and every buffer of its plan (of its dtype and device,
+        :func:`link`) that has none either, each taking its consecutive slice in plan order: the
+        planes of a plan lie one after the other in one storage, so a later plan whose buffers
+        are consecutive runs of the same order takes them over without a copy (:func:`gather`)."""
         t = getattr(self, plane)
         if t is None:
-            t = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            setattr(self, plane, t)
+            lacking = [b for b in self.siblings if getattr(b, plane) is None]
+            arena = torch.zeros(sum(b.numel for b in lacking), dtype=self.dtype, device=self.device)
+            at = 0
+            for b in lacking:
+                setattr(b, plane, arena[at:at + b.numel])
+                at += b.numel
+            t = getattr(self, plane)
         return t
+
+
+def link(buffers: Sequence[FusionBuffer]) -> None:
+    """Tell each buffer the buffers of its plan that share its dtype and device (its
+    ``siblings``, in plan order, itself included), whose planes it allocates together."""
+    for buf in buffers:
+        buf.siblings = [b for b in buffers if (b.dtype, b.device) == (buf.dtype, buf.device)]
 
 
 def gather(buffers: Sequence[FusionBuffer], store: ResidualStore, plane: str) -> None:
     """Move every parameter's tensor in ``store`` into ``plane`` of the buffer that now holds it,
     and make the store's entries views of it; parameters with none get zeros where a plane is
     made. A buffer that has the plane already (a loaded checkpoint) keeps it; one whose
-    parameters' tensors already make up one whole flat tensor, in order, takes that tensor as it
-    is (no copy); otherwise its plane is allocated and filled buffer by buffer, and each old flat
-    tensor is freed once its last parameter has moved, so a new plan needs at most one new
-    buffer's memory beyond what it frees (more only where a re-plan splits a buffer: it is held
-    until its last piece has moved)."""
+    parameters' tensors lie one after the other in one storage, in order (an old buffer, or a run
+    of an old plan's buffers: they share one storage), takes that memory as it is, so a new plan
+    that regroups the same order of tensors copies nothing and needs no memory more; the other
+    buffers get a plane allocated (for all of them at once) and filled, and an old storage is
+    freed once no tensor lives in it any more."""
+    for buf in buffers:  # first every buffer that can take its tensors' memory as it is
+        if getattr(buf, plane) is None:
+            setattr(buf, plane, _whole([store.peek(name) for name in buf.names], buf.numel))
     for buf in buffers:
         views = [store.peek(name) for name in buf.names]
         flat = getattr(buf, plane)
         if flat is None:
             if all(v is None for v in views):
-                continue
-            flat = _whole(views, buf.numel)
-            if flat is not None:
-                setattr(buf, plane, flat)
                 continue
             flat = buf.allocate(plane)
         for slot, (name, v) in enumerate(zip(buf.names, views)):
@@ -119,16 +134,17 @@ def gather(buffers: Sequence[FusionBuffer], store: ResidualStore, plane: str) ->
 
 
 def _whole(views: Sequence[torch.Tensor | None], numel: int) -> torch.Tensor | None:
-    """The flat tensor that ``views`` are consecutive pieces of, from its first element to its
-    last, or ``None``."""
+    """The flat tensor of ``numel`` elements that ``views`` are consecutive pieces of, in one
+    storage (a whole old buffer, or a run of an old plan's buffers, which lie one after the other:
+    :meth:`FusionBuffer.allocate`), or ``None``."""
     if any(v is None for v in views):
         return None
-    storage = views[0].untyped_storage()
-    if views[0].storage_offset() != 0 or storage.nbytes() != numel * views[0].element_size():
-        return None
-    at = 0
+    storage, first = views[0].untyped_storage(), views[0].storage_offset()
+    at = first
     for v in views:
         if v.untyped_storage().data_ptr() != storage.data_ptr() or v.storage_offset() != at or not v.is_contiguous():
             return None
         at += v.numel()
-    return torch.empty(0, dtype=views[0].dtype, device=views[0].device).set_(storage, 0, (numel,), (1,))
+    if at - first != numel:
+        return None
+    return torch.empty(0, dtype=views[0].dtype, device=views[0].device).set_(storage, first, (numel,), (1,))

@@ -51,7 +51,7 @@ import torch
 import horovod.torch as hvd
 
 from . import kernels
-from .buffer import FusionBuffer, gather
+from .buffer import FusionBuffer, gather, link
 from .communicators import Allreduce, Communicator, Outgoing, Reduction
 from .communicators.base import Target, wait
 from .compressors import Compressor, sparsify
@@ -155,6 +155,7 @@ class Controller:
         self.plan = plan
         self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
                         for i, names in enumerate(plan.buffers)]
+        link(self.buffers)
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
         self.gather()
 
