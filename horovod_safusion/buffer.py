@@ -68,11 +68,13 @@ class FusionBuffer:
         self.poisoned = False  # this rank's gradient had non-finite elements (decided at launch)
         self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
         self.siblings: list[FusionBuffer] = [self]  # the plan's buffers allocated together (link())
+        # (slot, residual, momentum) set aside while the collective runs: no gradient here this step
+        self.aside: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
 
     def reset(self) -> None:
         """Forget the step in flight (after synchronize, or when a step is abandoned)."""
         self.pending, self.indices, self.values, self.poisoned, self.stats = None, None, None, False, None
-        self.dropped, self.target = 0, None
+        self.dropped, self.target, self.aside = 0, None, []
         self.grads = [None] * len(self.names)
         self.filled.clear()
 

@@ -19,18 +19,32 @@ gradient itself and reduces the gradients in place with Horovod's allreduce, as
 along gives its flat tensor up. So the plugin holds, per gradient element, the residual (and the
 momentum, with momentum correction) and nothing else of the model's size.
 
-Three rules keep error feedback exact in real training loops:
+Four rules keep error feedback exact in real training loops:
+
+* **No gradient here** (a frozen parameter, one unused in this rank's forward, or ``step()``
+  without ``backward()``: its hook did not fire in this step): the parameter sends zeros, so every
+  rank still submits the same collectives, and its residual stays as it is — not added, not sent,
+  not delivered, on sparse and dense steps alike (with momentum correction, its momentum is
+  neither accumulated nor masked). On a sparse step its residual is set aside while the buffer's
+  collective runs (a transient copy of that parameter only) and its segment is zero for the
+  selection. The step's one small allreduce tells every rank where a gradient arrived: a
+  parameter that got one on no rank keeps the ``.grad`` it had (``None`` after ``zero_grad()``),
+  so the wrapped optimizer does not move it at all — momentum included; one that got one on some
+  ranks receives the aggregate as usual. So a frozen layer stays frozen, a step without backward
+  moves nothing, and ``residual_after + sent == residual_before + grad`` holds per parameter with
+  ``grad = 0`` and ``sent = 0``.
 
 * **Non-finite gradients** (a NaN batch, a loss-scale overflow): on a sparse step, a gradient
   element that is not finite does not join the residual (the residual keeps its value there) and
-  is counted. One small allreduce per step tells every rank whether any rank counted one; if so,
+  is counted. The step's small allreduce tells every rank whether any rank counted one; if so,
   every gradient of the step arrives as NaN on every rank, so the user's finiteness check (or
   GradScaler's) skips the step on all ranks, as with Horovod, and every rank takes back what it
   sent into its residuals (nothing finite is lost, and no rank keeps a NaN or stops sending). A
   dense step lets a NaN through to every rank, as Horovod does.
 * **Loss scaling**: with a ``GradScaler`` (``loss_scale`` set), residuals are kept at the scale of
   the step that made them and rescaled by ``new_scale / old_scale`` when added to the next
-  gradient, so a changing scale neither inflates nor shrinks them.
+  gradient (a residual kept through a step without gradient is rescaled in place), so a changing
+  scale neither inflates nor shrinks them.
 * **Wire rounding**: when Horovod's ``compression`` rounds values (``Compression.fp16``), the
   selected values are rounded here, before the collective, and what rounding dropped stays in the
   residual, so ``residual_after + sent == residual_before + grad`` holds for the values that were
@@ -45,8 +59,9 @@ density of each step — a step at density 1 is sent dense, with Horovod's allre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
+import numpy as np
 import torch
 import horovod.torch as hvd
 
@@ -143,6 +158,9 @@ class Controller:
         self.target_density = 1.0 if compressor.dense else compressor.density
         self._dense, self._sender = compressor.dense, communicator  # per step: _choose_sender()
         self._rewrite: list[tuple[torch.Tensor, torch.Tensor]] = []  # (.grad, dense stand-in), see _grad_of
+        self._absent: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # no gradient here, see _stand_in
+        self.joining = (0, 0)  # parameters joining, minimum and maximum over ranks (see synchronize)
+        self._number_params()
         self.set_plan(plan)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -171,6 +189,28 @@ class Controller:
         over the communicator's process set, SAFusion §3.2's alignment)."""
         self.set_plan(plan)
         check_plan_across_ranks(plan, self.communicator.process_set)
+
+    def add_params(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Synchronise ``named_params`` too, from the next step on (parameters that joined the
+        job: a parameter group added after construction). They are appended to the plan, one
+        buffer per dtype and device; a profiled planner re-plans them later with the others. A
+        collective (:meth:`switch_plan`): every rank adds the same parameters between steps."""
+        self.params.update(named_params)
+        self._number_params()
+        if self.momentum is not None:
+            self.momentum.add(named_params)
+        kinds: dict[tuple, list[str]] = {}
+        for name, p in named_params:
+            kinds.setdefault((p.dtype, p.device), []).append(name)
+        plan = self.plan
+        self.switch_plan(FusionPlan(plan.buffers + tuple(tuple(b) for b in kinds.values()), order=plan.order,
+                                    planner=plan.planner, dense=plan.dense, meta=plan.meta))
+
+    def _number_params(self) -> None:
+        """Each parameter's position in the step's flags (:meth:`_flags_anywhere`): the order of
+        :attr:`params`, the same on every rank."""
+        self._position = {name: i for i, name in enumerate(self.params)}
+        self._arrived = np.ones(len(self.params), dtype=bool)  # per position: its gradient arrived here
 
     @property
     def device(self) -> torch.device:
@@ -243,11 +283,13 @@ class Controller:
 
     def abandon_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers
-        already filled hold their gradient in their residuals; Horovod elastic's restore then
-        loads the residuals of the last commit."""
+        already filled hold their gradient in their residuals, and residuals set aside go back;
+        Horovod elastic's restore then loads the residuals of the last commit."""
         for buf in self.buffers:
+            if buf.flat is not None:
+                self._restore(buf)
             buf.reset()
-        self._rewrite = []
+        self._rewrite, self._absent = [], []
         self._step_open = False
 
     def _gradient(self, buf: FusionBuffer, slot: int) -> torch.Tensor:
@@ -277,28 +319,84 @@ class Controller:
         self._rewrite.append((p, stand_in))
         return stand_in
 
-    def _fill(self, buf: FusionBuffer, slot: int) -> None:
+    def _fill(self, buf: FusionBuffer, slot: int, arrived: bool = True) -> None:
+        """Fill the buffer's tensor ``slot`` with its gradient (``arrived``: its hook fired on this
+        rank in this step), or with zeros, its residual kept (no gradient here)."""
         obs = self.observer
         t = obs.mark() if obs else None
-        g = self._gradient(buf, slot)
-        buf.grads[slot] = self._grad_of(buf.params[slot])  # where the reduced gradient will go
-        if self.clipping is not None:
-            g = self.clipping(g)
-        (self._fill_dense if self._dense else self._fill_sparse)(buf, slot, g)
+        self._arrived[self._position[buf.names[slot]]] = arrived
+        if arrived:
+            g = self._gradient(buf, slot)
+            buf.grads[slot] = self._grad_of(buf.params[slot])  # where the reduced gradient will go
+            if self.clipping is not None:
+                g = self.clipping(g)
+            (self._fill_dense if self._dense else self._fill_sparse)(buf, slot, g)
+        else:
+            buf.grads[slot] = self._stand_in(buf.params[slot], self._position[buf.names[slot]])
+            self._keep(buf, slot)
         buf.filled.add(slot)
         if obs:
             obs.span(MEMCPY_IN, t, tensor=buf.names[slot])
 
-    def _fill_sparse(self, buf: FusionBuffer, slot: int, g: torch.Tensor) -> None:
+    def _stand_in(self, p: torch.Tensor, position: int) -> torch.Tensor:
+        """Where the reduced gradient of ``p``, which got no gradient here, goes: zeros (this
+        rank's contribution) that :meth:`synchronize` writes into ``p.grad`` only if some rank had
+        a gradient; otherwise ``p.grad`` stays as it was."""
+        stand_in = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        self._absent.append((p, stand_in, position))
+        return stand_in
+
+    def _keep(self, buf: FusionBuffer, slot: int) -> None:
+        """No gradient here: the residual (and the momentum) stay as they are, rescaled in place
+        to this step's loss scale. A dense step gives the buffer's flat up, so a residual in it
+        moves to a tensor of its own; on a sparse step the residual (and a momentum in the
+        buffer's plane, which masking would clear) are set aside, and the segment is filled with
+        zeros for the selection; :meth:`_restore` puts them back after the collective."""
+        name, seg = buf.names[slot], buf.segment(slot)
+        r = self.residuals.peek(name)
+        u = self.momentum.momenta.peek(name) if self.momentum is not None else None
+        if self._dense:
+            if holds(r, buf.flat, seg):
+                r = r.clone()
+                self.residuals.bind(name, r)
+        else:
+            flat = buf.allocate("flat")
+            if holds(r, flat, seg):
+                r = r.clone()
+            if holds(u, buf.momentum, seg):
+                u = u.clone()
+                buf.aside.append((slot, r, u))
+            else:  # u is a tensor of its own (or none), which masking does not touch
+                buf.aside.append((slot, r, None))
+            self._fill_sparse(buf, slot, buf.grads[slot], keep=True)  # the stand-in: zeros until decoded
+        if self._rescale is not None:
+            for t in (r, u):
+                if t is not None:
+                    t.mul_(self._rescale)
+
+    def _restore(self, buf: FusionBuffer) -> None:
+        """Put the residuals (and momenta) set aside by :meth:`_keep` back into the buffer's
+        planes. The residual is added to what the step left in its segment (zeros, or what the
+        protocol handed back), so nothing is lost."""
+        for slot, r, u in buf.aside:
+            seg = buf.segment(slot)
+            if r is not None:
+                buf.flat[seg].add_(r)
+            if u is not None:
+                buf.momentum[seg].copy_(u)
+        buf.aside = []
+
+    def _fill_sparse(self, buf: FusionBuffer, slot: int, g: torch.Tensor, keep: bool = False) -> None:
         """``segment = gradient + scale · residual`` in the buffer, in place where the residual is
-        the segment itself; non-finite gradient elements are dropped and counted."""
+        the segment itself; non-finite gradient elements are dropped and counted. With ``keep``
+        (no gradient here, the residual set aside) the segment takes ``g`` alone."""
         flat = buf.allocate("flat")
         seg = buf.segment(slot)
         view = flat[seg]
-        r = self.residuals.peek(buf.names[slot])
+        r = None if keep else self.residuals.peek(buf.names[slot])
         residual = view if holds(r, flat, seg) else r
         on_host = kernels.on_host(flat)
-        if self.momentum is not None:
+        if self.momentum is not None and not keep:
             g = self.momentum.accumulate(buf, slot, g, self._rescale, on_host)
         if on_host:
             scale = None if self._rescale is None else float(self._rescale)
@@ -399,9 +497,18 @@ class Controller:
         return sent
 
     # ---- pull: called from optimizer.synchronize() -------------------------------------------
-    def synchronize(self) -> StepStats:
+    def synchronize(self, arrived: Container[torch.Tensor], joining: int = 0) -> StepStats:
         """Start what has not started, wait for every buffer; the communicators write the
-        aggregated gradients into ``p.grad``."""
+        aggregated gradients into ``p.grad``.
+
+        Args:
+            arrived: the parameters whose gradient arrived on this rank in this step (their hook
+                fired, in any of the ``backward_passes_per_step`` passes); for any other this rank
+                has no gradient (see the module's rules).
+            joining: how many parameters this rank is about to add (:meth:`add_params`), told to
+                every rank by the step's small allreduce: :attr:`joining` is then the minimum and
+                the maximum over ranks, so that every rank knows whether any rank adds some.
+        """
         obs = self.observer
         if obs:
             t_sync = obs.mark()
@@ -412,34 +519,41 @@ class Controller:
             if buf.pending is None:
                 for slot in range(len(buf.names)):
                     if slot not in buf.filled:
-                        self._fill(buf, slot)
+                        self._fill(buf, slot, buf.params[slot] in arrived)
                 self._launch(buf)
-        hit = None if self._dense else self._poisoned_anywhere()  # a handle, resolved at first use
+        flags = self._flags_anywhere(joining)  # a handle, resolved at first use
         stats = StepStats(buffers=len(self.buffers))
         missing: list[torch.Tensor] = []  # per buffer, tensors that sent nothing (device tensors)
         for buf in self.buffers:
             t = obs.mark() if obs else None
             buf.pending.collect()  # waiting: communication
-            if hit is not None and not isinstance(hit, bool):  # submitted last: waits for the others too
-                hit = bool(wait(hit).item())
+            if not isinstance(flags, np.ndarray):  # submitted last: waits for the others too
+                flags = wait(flags).numpy()
             t = obs.span(WAIT, t, buffer=buf.index) if obs else None
             buf.pending.wait()  # decoding into the gradients: computation after communication
             if buf.pending.feedback is not None:
                 self.compressor.feedback(buf.selection, buf.pending.feedback)
             t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None
-            if hit:
+            if flags[0]:
                 self._skipped(buf)
             else:
                 self._keep_leftover(buf)
                 if self.momentum is not None and buf.indices is not None:
                     self.momentum.mask(buf, buf.indices)
+            self._restore(buf)
             if obs:
                 obs.span(MEMCPY_OUT, t, buffer=buf.index)
             self._count(buf, stats, missing)
             buf.reset()
+        if not isinstance(flags, np.ndarray):
+            flags = wait(flags).numpy()
         for p, stand_in in self._rewrite:  # sparse or strided gradients: written back as they are
             _write_back(p, stand_in)
-        self._rewrite = []
+        for p, stand_in, position in self._absent:  # no gradient here: the aggregate, if any rank had one
+            if flags[3 + position]:
+                _write_back(p, stand_in)
+        self._rewrite, self._absent = [], []
+        self.joining = (-int(flags[2]), int(flags[1]))
         stats.missing = int(torch.stack(missing).sum()) if missing else 0  # one read per step
         self.steps += 1
         self._residual_scale = self._step_scale
@@ -469,12 +583,16 @@ class Controller:
             stats.selected += buf.indices.numel()
             missing.append((buf.segments.counts(buf.indices) == 0).sum())
 
-    def _poisoned_anywhere(self) -> int:
-        """Starts one small allreduce that counts the buffers with dropped gradient elements on all
-        ranks; submitted after every buffer's collective, so that it waits behind none of them.
-        Returns Horovod's handle."""
-        flags = torch.tensor([sum(b.poisoned for b in self.buffers)], dtype=torch.int32)
-        return hvd.allreduce_async(flags, op=hvd.Sum, name=collective("saf.nonfinite"),
+    def _flags_anywhere(self, joining: int) -> int:
+        """Starts the step's one small allreduce, the maximum over ranks of: whether this rank
+        dropped non-finite gradient elements (a sparse step), ``joining`` and ``-joining``, and per
+        parameter whether its gradient arrived here. Submitted after every buffer's collective, so
+        that it waits behind none of them. Returns Horovod's handle."""
+        flags = np.empty(3 + len(self._arrived), dtype=np.int32)
+        flags[0] = any(b.poisoned for b in self.buffers)
+        flags[1], flags[2] = joining, -joining
+        flags[3:] = self._arrived
+        return hvd.allreduce_async(torch.from_numpy(flags), op=hvd.Max, name=collective("saf.step"),
                                    process_set=self.communicator.process_set)
 
     def _skipped(self, buf: FusionBuffer) -> None:
@@ -489,9 +607,11 @@ class Controller:
 
 
 def _write_back(p: torch.Tensor, flat: torch.Tensor) -> None:
-    """The reduced gradient of a parameter whose ``.grad`` is sparse or strided."""
+    """The reduced gradient of a parameter whose ``.grad`` is sparse, strided or ``None``."""
     value = flat.view(p.shape)
-    if p.grad.is_sparse:
+    if p.grad is None:
+        p.grad = value
+    elif p.grad.is_sparse:
         # Sparse grads do not support copy_ from dense; Horovod uses the same equivalent.
         p.grad.zero_().add_(value.to_sparse())
     else:

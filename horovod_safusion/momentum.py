@@ -89,10 +89,17 @@ class MomentumCorrection:
 
     def __init__(self, groups: Sequence[dict], masking: bool = True,
                  params: dict[str, torch.Tensor] | None = None) -> None:
+        self._groups = groups
         self._group = {id(p): g for g in groups for p in g["params"]}
         self.masking = masking
         self.params = dict(params or {})
         self.momenta = ResidualStore()
+
+    def add(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Take over the momentum of parameters that joined (a group added to ``groups``, the
+        wrapped SGD's ``param_groups`` list, after construction); their ``u`` starts at zero."""
+        self.params.update(named_params)
+        self._group = {id(p): g for g in self._groups for p in g["params"]}
 
     def of(self, buf, slot: int) -> torch.Tensor:
         """``u`` of the buffer's tensor ``slot``: its view of the buffer's momentum plane, where its

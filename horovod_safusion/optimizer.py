@@ -21,7 +21,13 @@ Differences to Horovod, all deliberate:
   restores a job of any size without losing unsent gradient (see :meth:`load_state_dict`);
 * ``grad_scaler=`` keeps residuals right when a ``GradScaler``'s loss scale changes;
 * a step in which some rank's gradient is not finite arrives as NaN on every rank (the user's
-  check or GradScaler skips it, as with Horovod), and residuals stay finite.
+  check or GradScaler skips it, as with Horovod), and residuals stay finite;
+* a parameter that got no gradient on any rank (frozen, unused, no backward) keeps its ``.grad``
+  (``None`` after ``zero_grad()``), so the wrapped optimizer does not move it, momentum included
+  (Horovod gives it a zero gradient); its error-feedback residual waits (see the controller);
+* parameters that join after construction (a group added by ``add_param_group``, or a parameter
+  frozen at construction and trainable now) are synchronised from the step at which they join,
+  after a check that every rank added the same ones (Horovod never synchronises them).
 """
 from __future__ import annotations
 
@@ -105,10 +111,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         trainable = [p for g in self.param_groups for p in g['params'] if p.requires_grad]
         for p in trainable:
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {self._parameter_names[p]!r} has dtype {p.dtype}; "
-                                 "horovod_safusion fuses floating-point gradients only "
-                                 "(float16, bfloat16, float32, float64)")
+            _check_floating(self._parameter_names[p], p)
+        # what _joining() watches: the parameters of param_groups, and those not trainable yet
+        self._counted = sum(len(g['params']) for g in self.param_groups)
+        self._dormant = [p for g in self.param_groups for p in g['params'] if not p.requires_grad]
         # Back-propagation roughly visits parameters in reverse registration order (as PyTorch
         # DDP's buckets assume); the profiled planners replace it by measured ready times.
         self._named_trainable = [(self._parameter_names[p], p) for p in reversed(trainable)]
@@ -119,9 +125,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         comm = make_communicator(communicator, comp.dense, process_set, compression)
         prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                                if op == hvd.Average else (1.0, 1.0))
-        self._tensors = [TensorInfo(n, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
-                         for n, p in self._named_trainable]
-        self._profiler = OnlineProfiler(self._planner, self._tensors, {n: p.dtype for n, p in self._named_trainable},
+        self._profiler = OnlineProfiler(self._planner, [_tensor_info(n, p) for n, p in self._named_trainable],
+                                        {n: p.dtype for n, p in self._named_trainable},
                                         process_set, profile_steps=profile_steps, replan_every=replan_every)
         plan = self._profiler.initial_plan()
         warmup = DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density)
@@ -249,8 +254,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
 
-    def _register_hooks(self):
-        for _, p in self._named_trainable:
+    def _register_hooks(self, named=None):
+        for _, p in self._named_trainable if named is None else named:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _make_hook(self, p):
@@ -280,11 +285,100 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        self._controller.synchronize()
+        joining = self._joining()
+        self._controller.synchronize(self._launched, len(joining))
+        if self._controller.joining[1]:  # some rank adds parameters: every rank checks, then all add
+            self._join(joining)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._launched.clear()
         self._synchronized = True
+
+    def _joining(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of ``param_groups`` that require a gradient and are not synchronised yet:
+        those of a group added by ``add_param_group``, and those frozen at construction that are
+        trainable now; in group order. Named as given to ``named_parameters``, else as Horovod
+        names unnamed parameters (``allreduce.noname.<group>.<index>``). Costs a count of the
+        groups' parameters when nothing changed."""
+        count = sum(len(g['params']) for g in self.param_groups)
+        if count == self._counted and not any(p.requires_grad for p in self._dormant):
+            return []
+        synchronised = {id(p) for p in self._controller.params.values()}
+        joining, self._dormant = [], []
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group['params']):
+                if id(p) in synchronised:
+                    continue
+                if p.requires_grad:
+                    joining.append((self._parameter_names.get(p, f"allreduce.noname.{i}.{j}"), p))
+                else:
+                    self._dormant.append(p)
+        self._counted = count
+        return joining
+
+    def _join(self, joining: list[tuple[str, torch.Tensor]]) -> None:
+        """Synchronise the parameters that join at this step on every rank (a collective, reached
+        by every rank when :meth:`_joining` found some on any rank). Every rank must add the
+        same parameters, names, shapes and dtypes alike, or every rank raises a ``RuntimeError``
+        naming the first rank that differs. Then their values are broadcast from the process
+        set's first rank (as ``hvd.broadcast_parameters``), this step's gradients are reduced
+        densely (as ``hvd.DistributedOptimizer`` does: zeros from a rank without one, ``.grad``
+        left as it was where no rank has one), and their hooks and fusion buffers take over from
+        the next step on."""
+        ctl, ps = self._controller, self.process_set
+        step = ctl.steps - 1
+        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in joining]
+        every = checkpoint.gather({"params": mine, "grads": [p.grad is not None for _, p in joining]},
+                                  "saf.join", ps)
+        ranks = list(ps.ranks) if getattr(ps, "ranks", None) else list(range(len(every)))
+        first = every[0]["params"]
+        for rank, theirs in zip(ranks, every):
+            if theirs["params"] != first:
+                raise RuntimeError(
+                    f"parameters join the job on some ranks only: at step {step} rank {rank} adds "
+                    f"{_describe(theirs['params'], first)} where rank {ranks[0]} adds "
+                    f"{_describe(first, theirs['params'])}. Every rank must add the same parameters "
+                    "(add_param_group, or requires_grad turned on for a parameter frozen when the "
+                    "optimizer was built) before the same step(), or the replicas would drift apart")
+        for name, p in joining:
+            _check_floating(name, p)
+            if name in ctl.params:
+                raise ValueError(f"a parameter that joins at step {step} is named {name!r}, the name of a "
+                                 "parameter already synchronised: pass named_parameters covering it")
+        if self._momentum_correction:
+            check_momentum_groups(self)
+        handles = [hvd.broadcast_async_(p.detach(), root_rank=ranks[0], name=session.collective(f"saf.join.{name}"),
+                                        process_set=ps) for name, p in joining]
+        for handle in handles:
+            hvd.synchronize(handle)
+        self._reduce_joining([(name, p) for k, (name, p) in enumerate(joining) if any(e["grads"][k] for e in every)])
+        named = list(reversed(joining))  # roughly back-propagation order, as at construction
+        for name, p in named:
+            self._parameter_names[p] = name
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._register_hooks(named)
+        ctl.add_params(named)
+        self._profiler.add([_tensor_info(n, p) for n, p in named], {n: p.dtype for n, p in named})
+
+    def _reduce_joining(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The gradients of ``named`` in the step they join, reduced densely as Horovod does
+        (``compression``, ``op`` and the scale factors of the job); a rank without one sends zeros."""
+        if not named:
+            return
+        grads = []
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        red = self._controller.reduction
+        reduced = hvd.grouped_allreduce(grads, name=session.collective("saf.join.grads"), compression=self._compression,
+                                        op=red.op, prescale_factor=red.prescale, postscale_factor=red.postscale,
+                                        process_set=self.process_set)
+        for (_, p), r in zip(named, reduced):
+            if p.grad.is_sparse:
+                p.grad.zero_().add_(r.to_sparse())
+            else:
+                p.grad.copy_(r)
 
     @contextmanager
     def skip_synchronize(self):
@@ -334,6 +428,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _check_floating(name: str, p: torch.Tensor) -> None:
+    if not p.is_floating_point():
+        raise ValueError(f"parameter {name!r} has dtype {p.dtype}; horovod_safusion fuses floating-point "
+                         "gradients only (float16, bfloat16, float32, float64)")
+
+
+def _tensor_info(name: str, p: torch.Tensor) -> TensorInfo:
+    """What the planners know of parameter ``p``'s gradient."""
+    return TensorInfo(name, p.numel(), p.element_size(), f"{p.dtype}@{p.device}")
+
+
+def _describe(params: list[tuple], other: list[tuple]) -> str:
+    """``params`` (name, shape, dtype) for an error message: how many, and the first that is not
+    in ``other``."""
+    if not params:
+        return "no parameter"
+    odd = next((p for p in params if p not in other), params[0])
+    return (f"{len(params)} parameter{'s' if len(params) > 1 else ''} "
+            f"({odd[0]!r} of shape {list(odd[1])} and dtype {odd[2]}{', ...' if len(params) > 1 else ''})")
 
 
 def _set_dense_choice(planner: Planner, dense: "bool | str | None") -> None:

@@ -136,6 +136,16 @@ class OnlineProfiler:
         self.profile, self._samples = None, []
         self._record_from = self.steps + self.warmup_steps
 
+    def add(self, tensors: Sequence[TensorInfo], dtypes: dict[str, torch.dtype]) -> None:
+        """Tensors that joined the job (the controller appended them to its plan): planned from now
+        on. A profile does not know them, so a profiled planner profiles again (and a dense
+        trial under way, whose plans lack them, stops). Every rank adds at the same step."""
+        self.tensors += tensors
+        self.dtypes.update(dtypes)
+        if self.planner.needs_profile:
+            self.trial = None
+            self.restart()
+
     def state_dict(self) -> dict:
         """Where the loop stands: steps, the next profiled step and the profile (JSON). Timings of a
         profile under way are not kept: a resumed job measures that profile again."""

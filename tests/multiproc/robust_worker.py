@@ -16,6 +16,15 @@ Every scenario runs every compressor with every communicator it can pair with:
   ``residual_after + sent == residual_before + grad`` bit for bit.
 * ``save``/``resume``: train, save (each rank its own ``state_dict()``, and rank 0 the gathered
   ``state_dict(all_ranks=True)``), train on — and in fresh processes load and train the same steps.
+* ``dropin``: (``frozen``) a layer frozen mid-training, a ``step()`` without backward while it is
+  frozen, the layer unfrozen, and a layer used on rank 0 only; SGD with and without momentum, the
+  default, ``dense=False``, ``dense=True``, momentum correction, leftover-handing protocols and a
+  switch to a dense plan while frozen. Records how far frozen parameters moved, whether their
+  residuals and momenta stayed bit for bit, the job's conservation error, and whether replicas
+  agree. (``join``) a parameter group added by ``add_param_group`` at step 3 (initialised
+  differently on every rank) and a layer frozen at construction made trainable at step 5.
+* ``join_mismatch``: one rank adds a group that the others do not (``one``), or with another
+  shape (``shape``): every rank must raise the same clear error.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import horovod.torch as hvd
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import NaivePlanner
+from horovod_safusion.plan import FusionPlan
 
 COMPRESSORS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk", "exdyna")
 COMMUNICATORS = ("allgather", "allreduce", "spardl", "zen")
@@ -147,17 +157,14 @@ def scenario_edge(which):
             if step % 2:
                 opt.synchronize()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # between synchronize and step
-                grads = {n: p.grad.detach().reshape(-1).clone() for n, p in named}
                 with opt.skip_synchronize():
                     opt.step()
-            else:
-                opt.step()
-                grads = None
-            if grads is not None:
                 continue  # clipping changed p.grad: conservation is checked on the other steps
+            opt.step()
             sent = {n: acc[n] - residual_of(opt, n, p) for n, p in named}
             total = hvd.allreduce(torch.cat([sent[n] for n, _ in named]).double(), op=hvd.Sum, name=f"edge.{comp}.{comm}.{step}")
-            applied = torch.cat([p.grad.detach().reshape(-1) for _, p in named]).double() * hvd.size()
+            applied = torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                                 for _, p in named]).double() * hvd.size()  # None: no rank had a gradient
             worst = max(worst, float((applied - total).abs().max()))
         out[f"{comp}+{comm}"] = {"conservation": worst, "replicas_equal": replicas_equal(model, f"edge.{comp}.{comm}"),
                                  "finite": bool(torch.isfinite(flat_params(model)).all()),
@@ -286,6 +293,164 @@ def scenario_fp16():
         out[f"{comp}+{comm}"] = {"not_half": not_half, "not_exact": not_exact, "bytes_sent": bytes_sent[-1],
                                  "replicas_equal": replicas_equal(model, f"fp16.{comp}.{comm}")}
     return out
+
+
+# ---- drop-in semantics: frozen, no backward, unused on some ranks, parameters that join ------------
+class Mlp(nn.Module):
+    """Three layers, ``b`` the one frozen mid-training, and ``side`` used on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.side = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        y = self.c(h)
+        return y + self.side(h) if hvd.rank() == 0 else y
+
+
+FROZEN_VARIANTS = {  # label: (SGD momentum, DistributedOptimizer keywords)
+    "default": (0.0, {}),
+    "default+momentum": (0.9, {}),
+    "sparse": (0.0, {"dense": False}),
+    "sparse+momentum": (0.9, {"dense": False}),
+    "dense+momentum": (0.9, {"dense": True}),
+    "momentum_correction": (0.9, {"dense": False, "momentum_correction": True}),
+    "topk+spardl": (0.9, {"dense": False, "compressor": "topk", "communicator": "spardl"}),
+    "exdyna": (0.9, {"dense": False, "compressor": "exdyna", "communicator": "exdyna"}),
+    "sparse, dense while frozen": (0.9, {"dense": False}),
+}
+FROZEN_COVER = ("default+momentum", "sparse", "dense+momentum", "momentum_correction", "sparse, dense while frozen")
+FREEZE, NO_BACKWARD, UNFREEZE, STEPS = 4, 6, 9, 12
+
+
+def momentum_of(opt, name, p):
+    ctl = opt._controller
+    return ctl.momentum.momentum(name).clone() if ctl.momentum is not None else torch.zeros(0)
+
+
+def scenario_dropin(which):
+    return {"frozen": frozen_runs(FROZEN_VARIANTS if which == "all" else FROZEN_COVER), "join": join_runs()}
+
+
+def frozen_runs(labels):
+    out = {}
+    for label in labels:
+        momentum, kw = FROZEN_VARIANTS[label]
+        torch.manual_seed(0)
+        model = Mlp()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                                       named_parameters=model.named_parameters(), density=0.1, profile_steps=2, **kw)
+        named = list(model.named_parameters())
+        frozen = [(n, p) for n, p in named if n.startswith("b.")]
+        rec = {"frozen_moved": 0.0, "frozen_residual_changed": [], "frozen_momentum_changed": [],
+               "no_backward_moved": 0.0, "conservation": 0.0, "unfrozen_used": 0.0, "dense_steps": []}
+        for step in range(STEPS):
+            if step in (FREEZE, UNFREEZE):
+                for _, p in frozen:
+                    p.requires_grad_(step == UNFREEZE)
+            if label.endswith("dense while frozen") and step in (FREEZE + 1, UNFREEZE - 1):
+                plan = opt.plan
+                opt.set_plan(FusionPlan(plan.buffers, order=plan.order, planner=plan.planner,
+                                        dense=step == FREEZE + 1))
+            opt.zero_grad()
+            values = {n: p.detach().clone() for n, p in named}
+            before = {n: residual_of(opt, n, p) for n, p in named}
+            moment = {n: momentum_of(opt, n, p) for n, p in named}
+            if step == NO_BACKWARD:
+                opt.step()
+                rec["no_backward_moved"] = max(float((p.detach() - values[n]).abs().max()) for n, p in named)
+                rec["no_backward_residuals_equal"] = all(torch.equal(residual_of(opt, n, p), before[n]) for n, p in named)
+                continue
+            x, y = data(step, seed=7)
+            computed = Computed(named)
+            F.cross_entropy(model(x), y).backward()
+            acc = {n: computed.of(n, p) + before[n] for n, p in named}
+            opt.step()
+            rec["dense_steps"].append(opt._controller._dense)
+            if FREEZE <= step < UNFREEZE:
+                rec["frozen_moved"] = max([rec["frozen_moved"]] + [float((p.detach() - values[n]).abs().max())
+                                                                   for n, p in frozen])
+                rec["frozen_residual_changed"] += [step for n, p in frozen
+                                                   if not torch.equal(residual_of(opt, n, p), before[n])]
+                rec["frozen_momentum_changed"] += [step for n, p in frozen
+                                                   if not torch.equal(momentum_of(opt, n, p), moment[n])]
+            if step == UNFREEZE:  # what was kept while frozen joins this step's gradient
+                rec["unfrozen_used"] = max(float(before[n].abs().sum()) for n, _ in frozen)
+            if "momentum_correction" in kw:
+                continue  # the residual accumulates momentum, not gradients: conservation is tested elsewhere
+            sent = torch.cat([acc[n] - residual_of(opt, n, p) for n, p in named]).double()
+            total = hvd.allreduce(sent, op=hvd.Sum, name=f"frozen.{label}.{step}")
+            applied = torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                                 for _, p in named]).double() * hvd.size()
+            rec["conservation"] = max(rec["conservation"], float((applied - total).abs().max()))
+        rec["replicas_equal"] = replicas_equal(model, f"frozen.{label}")
+        out[label] = rec
+    return out
+
+
+class Grown(nn.Module):
+    """A trunk trained from the start, a layer frozen at construction (``late``) and a frozen
+    ``head``, initialised differently on every rank, that joins the optimizer later."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.late = nn.Linear(12, 16), nn.Linear(16, 16)
+        self.late.requires_grad_(False)
+        with torch.random.fork_rng():
+            torch.manual_seed(100 + hvd.rank())
+            self.head = nn.Linear(16, 3).requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.late(torch.tanh(self.trunk(x)))))
+
+
+def join_runs():
+    out = {}
+    variants = {"default": {}, "sparse": {"dense": False}, "unnamed": {"dense": False, "named": False},
+                "momentum_correction": {"dense": False, "momentum_correction": True}}
+    for label, kw in variants.items():
+        torch.manual_seed(0)
+        model = Grown()
+        named = kw.pop("named", True)
+        hvd.broadcast_parameters({k: v for k, v in model.state_dict().items() if not k.startswith("head.")},
+                                 root_rank=0)
+        base = torch.optim.SGD(list(model.trunk.parameters()) + list(model.late.parameters()), lr=0.1, momentum=0.9)
+        opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters() if named else None,
+                                       density=0.1, profile_steps=2, **kw)
+        planned = []
+        for step in range(10):
+            if step == 3:
+                model.head.requires_grad_(True)
+                opt.add_param_group({"params": list(model.head.parameters()), "lr": 0.05})
+            if step == 5:
+                model.late.requires_grad_(True)
+            opt.zero_grad()
+            x, y = data(step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            planned.append(len(opt.plan.names))
+        out[label] = {"replicas_equal": replicas_equal(model, f"join.{label}"), "planned": planned,
+                      "names": sorted(opt.plan.names),
+                      "profiled": sorted(t.name for t in opt.profile.tensors) if opt.profile else []}
+    return out
+
+
+def scenario_join_mismatch(kind):
+    torch.manual_seed(0)
+    model = Grown()
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.trunk.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), fusion=NaivePlanner())
+    for step in range(3):
+        if step == 1 and (kind == "shape" or hvd.rank() == 1):
+            extra = nn.Linear(3, 2 if kind == "shape" and hvd.rank() == 1 else 3)
+            opt.add_param_group({"params": list(extra.parameters())})
+        opt.zero_grad()
+        x, y = data(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {}
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

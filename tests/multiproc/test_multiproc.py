@@ -107,7 +107,7 @@ def test_unused_parameters_neither_hang_nor_lose_gradient(job):
     recs = per_rank(job, "unused_parameters")
     for label in ("none", "topk@0.25"):
         for r in recs:
-            assert r[label]["never_grad_abs"] == 0.0
+            assert r[label]["never_grad"] is None  # not a zero gradient: the wrapped optimizer skips it
             assert r[label]["only_rank0_grad_abs"] > 0  # rank 0's gradient reached every rank
         assert recs[1][label]["only_rank0_local_abs"] == 0.0  # rank 1 computed none itself
 

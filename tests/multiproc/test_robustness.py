@@ -74,6 +74,56 @@ def test_non_finite_gradients_skip_the_same_steps_as_horovod_and_residuals_recov
                 assert r["take_back_diff"] == 0.0, (scheme, r)
 
 
+@pytest.mark.parametrize("config", ["gloo-2", "gloo-3"])
+def test_a_frozen_layer_and_a_step_without_backward_move_nothing_and_keep_their_residuals(config, out_dir):
+    """A layer frozen mid-training moves exactly 0 — with and without momentum in the wrapped SGD,
+    sparse and dense — its residual (and momentum) stay bit for bit while it is frozen and join
+    its gradient when it is unfrozen; a step() without backward moves no parameter; a layer used
+    on rank 0 only keeps replicas identical; conservation holds for the job at every step."""
+    for rank_rec in run(config, out_dir / config, "dropin", "all" if config == "gloo-2" else "cover"):
+        frozen = rank_rec["frozen"]
+        for label, r in frozen.items():
+            assert r["frozen_moved"] == 0.0 and r["no_backward_moved"] == 0.0, (label, r)
+            assert r["frozen_residual_changed"] == [] and r["frozen_momentum_changed"] == [], (label, r)
+            assert r["no_backward_residuals_equal"] and r["replicas_equal"], (label, r)
+            assert r["conservation"] < 1e-6, (label, r)
+            if not label.startswith(("default", "dense")):  # sparse when frozen: it held a residual
+                assert r["unfrozen_used"] > 0, (label, r)
+        assert not any(frozen["sparse"]["dense_steps"])
+        assert all(frozen["dense+momentum"]["dense_steps"][3:])  # dense once profiled
+        # steps 4 (frozen), 5, 7 (a dense plan; step 6 has no backward) and 8 (sparse again)
+        assert frozen["sparse, dense while frozen"]["dense_steps"][4:8] == [False, True, True, False]
+
+
+@pytest.mark.parametrize("config", ["gloo-2", "gloo-3"])
+def test_a_param_group_added_during_training_is_synchronised(config, out_dir):
+    """A group added by add_param_group at step 3 (its layer initialised differently on every
+    rank) and a layer frozen at construction made trainable at step 5 join the plan at the step
+    they are added, and the replicas stay bit-identical."""
+    for rank_rec in run(config, out_dir / config, "dropin", "all" if config == "gloo-2" else "cover"):
+        join = rank_rec["join"]
+        for label, r in join.items():
+            assert r["replicas_equal"], (label, r)
+            assert r["planned"] == [2] * 3 + [4] * 2 + [6] * 5, (label, r)
+        assert "head.weight" in join["sparse"]["names"]
+        assert "allreduce.noname.1.0" in join["unnamed"]["names"]
+        for label in ("default", "sparse"):  # profiled again, with the new tensors
+            assert join[label]["profiled"] == join[label]["names"], join[label]
+
+
+@pytest.mark.parametrize("config,kind", [("gloo-3", "one"), ("gloo-2", "shape")])
+def test_a_param_group_added_on_some_ranks_only_is_a_clear_error_on_every_rank(config, kind, tmp_path):
+    transport, np_ = TRANSPORTS[config]
+    cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport, sys.executable,
+           os.path.join(HERE, "robust_worker.py"), str(tmp_path), "join_mismatch", kind]
+    proc = run_horovodrun(cmd, 120)
+    assert proc.returncode != 0 and "killed after" not in proc.stderr, proc.stderr[-3000:]
+    for rank in range(np_):
+        exc = json.load(open(tmp_path / f"join_mismatch.{kind}.rank{rank}.json"))["exception"]
+        assert "parameters join the job on some ranks only: at step 1 rank 1 adds" in exc, exc
+        assert ("where rank 0 adds no parameter" if kind == "one" else "of shape [2, 3]") in exc, exc
+
+
 def test_grad_scaler_with_a_changing_scale_matches_the_unscaled_run_bit_for_bit(out_dir):
     for rank_rec in run("gloo-2", out_dir / "gloo-2", "scaler"):
         assert rank_rec["horovod"]["told_diff"] == 0.0

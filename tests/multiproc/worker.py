@@ -310,7 +310,7 @@ def scenario_unused_parameters():
             m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
             local = m.only_rank0.weight.grad.clone() if m.only_rank0.weight.grad is not None else torch.zeros(4, 4)
             opt.step()
-        out[label] = {"never_grad_abs": float(m.never.weight.grad.abs().sum()),
+        out[label] = {"never_grad": m.never.weight.grad,  # no rank had one: left as zero_grad() left it
                       "only_rank0_grad_abs": float(m.only_rank0.weight.grad.abs().sum()),
                       "only_rank0_local_abs": float(local.abs().sum())}
     return out

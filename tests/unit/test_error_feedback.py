@@ -59,3 +59,46 @@ def test_dense_compressor_sends_the_gradient_unchanged(hvd):
             assert torch.equal(p.grad.view(-1), grads[n])
         assert opt.communicator.name == "allreduce"
         assert opt.last_stats.bytes_sent == sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.mark.parametrize("path", ["host", "torch", "triton"])
+def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, monkeypatch):
+    """A conv layer frozen at step 2 and unfrozen at step 5, and a step() without backward at step
+    3 (SGD with momentum): what got no gradient moves by nothing and keeps its residual bit for
+    bit, and the kept residual joins the gradient once the layer is unfrozen —
+    ``residual_after + sent == residual_before + grad`` exactly, every parameter, every step (one
+    worker: what is sent arrives unscaled), on the host path and on the device path."""
+    if path != "host":
+        if path == "triton":
+            pytest.importorskip("triton")
+        monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
+        monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", path)
+    torch.manual_seed(0)
+    x, y, _, _ = load_digits_split()
+    model = DigitsCNN(width=8)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compressor="dgc", density=0.05,
+                                   fusion=NaivePlanner(capacity_bytes=4096))
+    named = dict(model.named_parameters())
+    frozen = [n for n in named if n.startswith("features.3.")]
+    for step in range(6):
+        for n in frozen:
+            named[n].requires_grad_(not 2 <= step < 5)
+        still = frozen if 2 <= step < 5 and step != 3 else list(named) if step == 3 else []
+        opt.zero_grad()
+        before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named.items()}
+        values = {n: p.detach().clone() for n, p in named.items()}
+        if step != 3:
+            F.cross_entropy(model(x[step * 64:(step + 1) * 64]), y[step * 64:(step + 1) * 64]).backward()
+        grads = {n: torch.zeros(p.numel()) if p.grad is None else p.grad.view(-1).clone() for n, p in named.items()}
+        opt.synchronize()
+        for n, p in named.items():
+            sent = torch.zeros(p.numel()) if p.grad is None else p.grad.view(-1)
+            assert torch.equal(opt.residuals.get(n, sent) + sent, before[n] + grads[n]), (n, step)
+        for n in still:
+            assert named[n].grad is None and torch.equal(opt.residuals.get(n, values[n].view(-1)), before[n]), (n, step)
+        with opt.skip_synchronize():
+            opt.step()
+        for n in still:
+            assert torch.equal(named[n].detach(), values[n]), (n, step)
+    assert any(float(before[n].abs().sum()) > 0 for n in frozen)  # a residual was kept, and delivered at step 5
