@@ -8,7 +8,9 @@ The probe of the memory issue: an ``EmbeddingBag(50000, 400)`` and a ``Linear(40
 consecutive tokens of the Python standard library's source (``examples/corpus.py``), the
 target the token after the bag (the 1999 most frequent tokens, the rest one class).
 
-Every scheme runs in its own ``horovodrun -np N --gloo`` job (resident memory is per process).
+Every scheme runs in its own ``horovodrun -np N --gloo`` job (resident memory is per process),
+which first trains a small model a few steps with both optimizers, so that what a process
+allocates once is in every scheme's figures alike.
 Per worker and step: ``VmRSS`` after ``step()``, the step's own peak over the resident set before
 it (``VmHWM`` restarted per step, :func:`horovod_safusion.memory.reset_peak`: where a peak comes
 from), and the run's peak. After the last step, :func:`horovod_safusion.memory.held` sums what the plugin holds in its own tensors,
@@ -111,6 +113,27 @@ def all_storages() -> list[dict]:
     return sorted(out, key=lambda d: -d["bytes"])
 
 
+def warm_up_process(saf) -> None:
+    """Train a small model a few steps with Horovod's optimizer and with the plugin, so that what a
+    process allocates once (Horovod's and Gloo's buffers, the compiled kernels, thread pools) is
+    in every scheme's resident set alike, and the differences between schemes are what each holds
+    for the model."""
+    import torch
+    import torch.nn.functional as F
+    import horovod.torch as hvd
+
+    for make in (lambda m, o: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()),
+                 lambda m, o: saf.DistributedOptimizer(o, named_parameters=m.named_parameters(), dense=False,
+                                                       profile_steps=2)):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = make(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        for step in range(8):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
+            opt.step()
+
+
 def worker(args) -> None:
     import torch
     import torch.nn.functional as F
@@ -122,6 +145,7 @@ def worker(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
+    warm_up_process(saf)
     torch.manual_seed(0)
     model = probe_model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

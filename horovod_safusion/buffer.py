@@ -16,6 +16,7 @@ and a checkpoint see per-parameter tensors; :func:`gather` moves them into the p
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -67,7 +68,7 @@ class FusionBuffer:
         self.dropped: "int | torch.Tensor" = 0  # non-finite gradient elements the fill dropped (a device count)
         self.poisoned = False  # this rank's gradient had non-finite elements (decided at launch)
         self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
-        self.siblings: list[FusionBuffer] = [self]  # the plan's buffers allocated together (link())
+        self.siblings = [weakref.ref(self)]  # the plan's buffers allocated together (link())
         # (slot, residual, momentum) set aside while the collective runs: no gradient here this step
         self.aside: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
 
@@ -90,7 +91,7 @@ class FusionBuffer:
         are consecutive runs of the same order takes them over without a copy (:func:`gather`)."""
         t = getattr(self, plane)
         if t is None:
-            lacking = [b for b in self.siblings if getattr(b, plane) is None]
+            lacking = [b for b in (ref() for ref in self.siblings) if b is not None and getattr(b, plane) is None]
             arena = torch.zeros(sum(b.numel for b in lacking), dtype=self.dtype, device=self.device)
             at = 0
             for b in lacking:
@@ -102,9 +103,11 @@ class FusionBuffer:
 
 def link(buffers: Sequence[FusionBuffer]) -> None:
     """Tell each buffer the buffers of its plan that share its dtype and device (its
-    ``siblings``, in plan order, itself included), whose planes it allocates together."""
+    ``siblings``, in plan order, itself included), whose planes it allocates together. The
+    references are weak: a buffer of a plan given up must not live on (and keep its planes'
+    memory) until the garbage collector finds the circle."""
     for buf in buffers:
-        buf.siblings = [b for b in buffers if (b.dtype, b.device) == (buf.dtype, buf.device)]
+        buf.siblings = [weakref.ref(b) for b in buffers if (b.dtype, b.device) == (buf.dtype, buf.device)]
 
 
 def gather(buffers: Sequence[FusionBuffer], store: ResidualStore, plane: str) -> None:

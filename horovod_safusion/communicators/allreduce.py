@@ -6,9 +6,9 @@ compressor: a warm-up step, the dense choice) the result equals ``hvd.Distribute
 the plugin holds no copy of the gradients: Horovod fuses them in its own fusion buffer, as it
 does for ``hvd.DistributedOptimizer``. A buffer larger than Horovod's fusion buffer is reduced
 tensor by tensor, each its own allreduce, as ``hvd.DistributedOptimizer`` submits them: Horovod
-fuses what fits its fusion buffer; a group larger than the buffer would make Horovod grow the
-buffer to the group's size and keep it (about the model's size more, measured on a model of
-one 80 MB tensor). With a sparsifying compressor the selected values are placed into the zeroed
+fuses what fits its fusion buffer; a group larger than the buffer (even a group of one tensor)
+would make Horovod grow the buffer to the group's size and keep it (about the model's size
+more, measured on a model of one 80 MB tensor). With a sparsifying compressor the selected values are placed into the zeroed
 gradients first, which isolates the effect of sparsification on accuracy from any traffic saving.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Allreduce(Communicator):
         scale = dict(op=reduction.op, prescale_factor=reduction.prescale, postscale_factor=reduction.postscale,
                      process_set=self.process_set)
         nbytes = sum(c.numel() * c.element_size() for c in sent)
-        if len(sent) > 1 and nbytes > fusion_threshold():
+        if nbytes > fusion_threshold():
             handles = [hvd.allreduce_async_(c, name=collective(f"saf.ar.{out.tag}.{i}"), **scale)
                        for i, c in enumerate(sent)]
             return Pending(lambda: [wait(h) for h in handles], decode, nbytes)
