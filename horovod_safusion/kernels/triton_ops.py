@@ -58,12 +58,13 @@ def _stats_kernel(x_ptr, g_ptr, r_ptr, scale_ptr, seg_ptr, start_ptr, stop_ptr, 
         x = tl.where(fine, x, 0.0).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + offs, x, mask=m)
         bad = ~ok | ~fine
-        a = tl.abs(x.to(ACC))
+        # the statistics of what was written: where the gradient was dropped, x = scale · r counts
+        a = tl.where(m, tl.abs(x.to(ACC)), 0.0)
     else:
         x = tl.load(x_ptr + offs, mask=m, other=0.0)
         a = tl.abs(x.to(ACC))
         bad = (a != a) | (a == float("inf"))
-    a = tl.where(m & ~bad, a, 0.0)
+        a = tl.where(m & ~bad, a, 0.0)
     tl.store(max_ptr + pid, tl.max(a, axis=0))
     tl.store(sum_ptr + pid, tl.sum(a, axis=0))
     tl.store(bad_ptr + pid, tl.sum((bad & m).to(tl.int32), axis=0))
