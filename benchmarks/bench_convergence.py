@@ -193,8 +193,11 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
         return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()), task.clip
     if key == "ddp-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+        # One bucket: the hook starts its 2nd and 3rd allreduce from completion callbacks, and with
+        # several buckets Gloo ranks can start them in different orders (seen as an abort,
+        # "op.preamble.length <= op.nbytes", in a job that also ran Horovod).
         mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=int(mb) + 1)  # one bucket (see bench_peers)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=int(mb) + 1)
         ddp.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                                start_powerSGD_iter=max(2, warmup)), P.powerSGD_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip

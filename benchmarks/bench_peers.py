@@ -1,4 +1,4 @@
-"""SAFusion against what a user would pick instead, side by side in one job per link.
+"""SAFusion against what a user would pick instead, each run the way its users run it.
 
     python benchmarks/bench_peers.py [--links loopback 1gbit 200mbit] [--models resnet18 lstm]
                                      [--schemes ...] [--alternations 5 --steps 3]
@@ -8,11 +8,9 @@ Peers (each a key in the results):
     compute        every worker runs forward/backward/SGD step, no communication (the limit)
     horovod        hvd.DistributedOptimizer (dense allreduce, Horovod's Tensor Fusion)
     horovod-fp16   the same with compression=hvd.Compression.fp16
-    ddp            torch DistributedDataParallel, gloo backend
-    ddp-powersgd   DDP with PowerSGD's comm hook, rank 4, started after the warm-up, in ONE DDP
-                   bucket: the hook starts its 2nd and 3rd allreduce from completion callbacks,
-                   and with several buckets Gloo ranks can start them in different orders (a
-                   race; here it aborted a job with "op.preamble.length <= op.nbytes")
+    ddp            torch DistributedDataParallel, gloo backend, its default buckets (25 MB)
+    ddp-powersgd   DDP with PyTorch's PowerSGD comm hook, rank 4, compressing from iteration 2,
+                   DDP's default buckets
     safusion       horovod_safusion.DistributedOptimizer(opt, named_parameters=...) with no other
                    arguments (the user's default; only ``profile_steps`` is passed, and only when
                    ``--profile-steps`` differs from the library default)
@@ -32,27 +30,57 @@ language model, 650 units, vocabulary 10000: 19.8 M weights, mostly the embeddin
 16 sequences × 35 tokens/worker of the Python standard library's source, see
 ``examples/corpus.py``; SGD lr 0.1 momentum 0.9; no clipping).
 
-Method. The driver runs ONE ``horovodrun -np N --gloo`` job per link — ``loopback`` as is, a tc rate
-such as ``1gbit`` inside a fresh network namespace whose loopback is limited (``links.py``; needs
-root). In the job each worker also joins a ``torch.distributed`` gloo group on the same ranks, so
-DDP and Horovod run in the same processes. Per model, every scheme's model (same seed; Horovod
-schemes broadcast from rank 0, DDP broadcasts itself) and optimizer is built once and warmed up once
-(our optimizers for ``profile_steps + 3`` steps: profile, plan, then steady state; PowerSGD past its
-start iteration plus 2; the rest 3). Then ``--alternations`` rounds: in each, every scheme in turn
-runs 1 untimed step, a barrier, and ``--steps`` timed steps. The order is fixed but the starting
-scheme rotates each round, so drift and order effects spread over all schemes. Per scheme and round:
-seconds/iteration (the slowest rank), CPU seconds/iteration per worker (``time.process_time``, mean
-of ranks) and its split by thread from ``/proc/self/task/*/stat``: the main thread (``training``:
-forward, backward, sparsification, the step) and all ``other threads`` (Horovod's background thread,
-Gloo's loops). CPU time counts waiting that spins: Horovod's wait for its allreduces keeps the main
-thread busy (at 200mbit its training thread used 3.7 CPU s of a 3.8 s iteration), so for slow dense
-peers it measures the wait too. The report gives medians with min–max over rounds, the scaling
-factor (median of compute-time / scheme-time per round) and safusion's speedups (median of per-round
-``peer s/it / safusion s/it``; >1: we are faster) against each peer and against the best dense one
-of that round. Wall time on these shared 2-core machines moves by up to 2x between runs, so only
-per-round ratios and CPU seconds are worth comparing; CPU seconds drift far less. Raw per-rank,
-per-round samples and the summary go to ``--out``/results.json, the bars to
-``--out``/bench_peers.png.
+Method. Every scheme runs in a job of its own per link and model, started by its users' launcher:
+``compute``, ``ddp`` and ``ddp-powersgd`` by ``python -m torch.distributed.run --nproc_per_node N``
+(``torch.distributed`` gloo group; ``compute`` uses it only for the benchmark's barriers), Horovod's
+schemes and ours by ``horovodrun -np N --gloo`` (``hvd.init()``, no ``torch.distributed``). Each
+worker runs 1 thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). A link is
+``loopback`` as is, or a tc rate such as ``1gbit`` inside a fresh network namespace whose loopback
+is limited (``links.py``; needs root); all of a link's jobs run in its one namespace. Per model,
+the driver starts the jobs one at a time. Each builds its model (same seed; Horovod's schemes
+broadcast rank 0's weights, DDP broadcasts itself) and optimizer and warms up (our optimizers for
+``profile_steps + 3`` steps and on until they have settled: profile, plan, a dense trial, steady
+state; PowerSGD past its start iteration plus 2 steps; the rest 3), then its workers report
+``warm`` and wait; the driver stops them (``SIGSTOP`` to the worker processes, not the launchers)
+before it starts the next job. A stopped job uses no CPU. A warm Horovod job left running, idle
+between turns, used 0.11 CPU s per second per worker at loopback and 0.14 at 200mbit here
+(Horovod's background thread keeps cycling; an idle DDP job used 0.01, the workers' own polling),
+so the default schemes' five Horovod jobs would take over a core of the two from the job being
+measured. Then ``--alternations`` rounds: in each, every job in turn is continued (``SIGCONT``)
+and told its round; its workers run 1 untimed step, a barrier, and ``--steps`` timed steps, write
+their samples, and the driver stops the job again. The order is fixed but the starting scheme
+rotates each round, so drift and order effects spread over all schemes. The driver and the workers talk through files in
+``--out``/ctl/<link>-<model>-<scheme>/ (the workers' pids, ``warm``, the round to run, the samples;
+workers poll every 10 ms); each job's output goes to ``--out``/logs/<link>-<model>-<scheme>.log.
+A job stays stopped for minutes while the others run, and a collective in flight when it was
+stopped (Horovod's background thread, negotiating all the time, may have one) resumes after it: so the collectives'
+timeouts are long, 2 hours (``HOROVOD_GLOO_TIMEOUT_SECONDS`` for Horovod's jobs,
+``init_process_group(timeout=...)`` for torchrun's), which bounds how long one job may stay
+stopped. With Horovod's default (30 s) a job stopped for 60 s died ("Timed out waiting 30000ms
+for recv operation"); with 2 hours, Horovod's and DDP's jobs resumed after 90 s stops at loopback
+and at 200mbit. torchrun's agent, which is not stopped, only polls whether its workers exited.
+
+A job that exits, loses a worker, or gives no sample within max(120 s, 10 × (steps + 1) × its
+warm-up step time) of being told its round (or is not warm within ``--timeout`` s) is killed
+with everything it started and reported as failed, with the meaningful line of its log (its
+workers' first error, or how a worker ended); the other schemes go on, and no ratio is taken
+against it. A failed job's samples so far stay in results.json. PowerSGD's hook starts its 2nd
+and 3rd allreduce from completion callbacks; with several buckets Gloo ranks may start them in
+different orders (an earlier version saw ``op.preamble.length <= op.nbytes`` abort a job); if
+that happens, ``ddp-powersgd`` is reported so.
+
+Per scheme and round: seconds/iteration (the slowest rank), CPU seconds/iteration per worker
+(``time.process_time``, mean of ranks) and its split by thread from ``/proc/self/task/*/stat``: the
+main thread (``training``: forward, backward, sparsification, the step) and all ``other threads``
+(Horovod's background thread, Gloo's loops). CPU time counts waiting that spins: Horovod's wait for
+its allreduces keeps the main thread busy (at 200mbit its training thread used 3.7 CPU s of a 3.8 s
+iteration), so for slow dense peers it measures the wait too. The report gives medians with
+min–max over rounds, the scaling factor (median of per-round compute-time / scheme-time) and
+safusion's speedups (median of per-round ``peer s/it / safusion s/it``; >1: we are faster) against
+each peer and against the best dense one of that round. Wall time on these shared 2-core machines
+moves by up to 2x between runs, so only per-round ratios and CPU seconds are worth comparing; CPU
+seconds drift far less. Raw per-rank, per-round samples, failures and the summary go to
+``--out``/results.json, the bars to ``--out``/bench_peers.png.
 
 ``--pin`` (default on) pins worker r to core ``r % cores`` (all its threads, so Horovod's and
 Gloo's threads share their worker's core). It made runs steadier here: loopback, ResNet-18, 2
@@ -63,30 +91,33 @@ in both orders — compute alone 0.756 s/it [0.702–0.792] and 0.765 [0.649–0
 comes close to CPU time (0.66–0.71 CPU s/it for compute): the two workers stop taking turns on
 the same core. ``--no-pin`` when the workers outnumber the cores or other jobs are pinned.
 
-Memory per worker and scheme: after a throwaway model has trained two steps (what the process
-allocates once is nobody's), the schemes are built and warmed up one after the other, so the
-resident set (``VmRSS`` with the allocator's free memory handed back) after a scheme's build and
-warm-up minus before is what the scheme holds (its model, its optimizer, gradients, its state:
-``steady``); the peak (``VmHWM``, restarted per phase with ``/proc/self/clear_refs``) during its
-build and warm-up (profiling and the plan switch included) and during its timed steps gives its
-``peak`` over the same baseline. ``held`` is what our optimizer holds in its own tensors
-(:func:`horovod_safusion.memory.held`). Every scheme's model and optimizer live at once, so the
-job's own peak is their sum: with more workers than 2 on a small machine run ``--models`` one at a
-time or fewer schemes.
+Memory per worker and scheme, the worst rank, of the job's own processes: ``steady`` is the
+resident set (``VmRSS`` with the allocator's free memory handed back) after build and warm-up,
+``peak`` the highest resident set (``VmHWM``) over the whole job, start to last round; ``+steady``
+and ``+peak`` are their differences to ``compute``'s job, what the scheme costs over training
+alone (its launcher's library included: Horovod in Horovod's jobs and ours, ``torch.distributed``
+only in torchrun's); ``rise`` is the largest rise of the resident set within a round's timed
+steps; ``held`` is what our optimizer holds in its own tensors
+(:func:`horovod_safusion.memory.held`), in multiples of the model's weights. All of a model's jobs
+live at once (stopped), so the machine holds their sum: with many workers on a small machine run
+``--models`` one at a time or fewer schemes.
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
+import datetime
+import importlib.util
 import json
 import os
-import resource
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -95,13 +126,19 @@ sys.path.insert(0, HERE)
 from links import LOOPBACK, check_link, limited_link  # noqa: E402
 
 PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
+TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
 OURS = {"safusion": {}, "wfbp": {"fusion": "wfbp"}, "density-0.001": {"density": 0.001}}
 DEFAULT_SCHEMES = (*PEERS, *OURS)
 DENSE = ("horovod", "horovod-fp16", "ddp")
 VS = ("horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 MODELS = ("resnet18", "lstm")
 DENSE_WARMUP = 3  # steps for the peers' first iterations (allocation, DDP's bucket rebuild)
+POWERSGD_START = 2  # PowerSGD's start_powerSGD_iter
 INT_KEYS = ("profile_steps", "replan_every")
+COLLECTIVE_TIMEOUT_S = 7200  # Gloo's timeout in every job: a job stays stopped while the others run
+POLL_S = 0.01  # how often a waiting worker looks for its next order
+MIN_TURN_TIMEOUT_S = 120.0
+QUIT_TIMEOUT_S = 120.0  # for a job to exit once told to
 
 
 # ---- schemes ----------------------------------------------------------------------------------
@@ -132,6 +169,51 @@ def parse_scheme(token: str) -> tuple[str, str, dict]:
         except ValueError:
             raise SystemExit(f"--schemes {token}: {key}={value!r} is not a number") from None
     return token, "saf", kwargs
+
+
+# ---- the control directory (both sides) -------------------------------------------------------
+class Control:
+    """A job's control directory: the files through which the driver and the job's workers talk.
+
+    Workers write ``pid.<rank>``, ``warm.<rank>`` and ``sample.<round>.<rank>``; the driver writes
+    ``go`` (a round number, or ``"quit"``). Every file is JSON written whole (a temporary file
+    renamed), so neither side reads half a file.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def reset(self) -> None:
+        """Start empty (files of an earlier run would read as this one's)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.makedirs(self.path)
+
+    def write(self, name: str, obj) -> None:
+        tmp = os.path.join(self.path, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def read(self, name: str):
+        """The object in file ``name``, or None if there is none yet."""
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def has(self, names: list[str]) -> bool:
+        return all(os.path.exists(os.path.join(self.path, n)) for n in names)
+
+    def next_round(self, done: int) -> int | None:
+        """(Worker) wait for a round after ``done``; None when told to quit."""
+        while True:
+            order = self.read("go")
+            if order == "quit":
+                return None
+            if isinstance(order, int) and order > done:
+                return order
+            time.sleep(POLL_S)
 
 
 # ---- worker -----------------------------------------------------------------------------------
@@ -165,11 +247,23 @@ def thread_delta(before: dict, after: dict) -> tuple[float, float, dict[str, flo
     return main, other, by
 
 
-class Run:
-    """One scheme of one model: its model, optimizer, data and step counter."""
+def memory_module():
+    """``horovod_safusion.memory`` (resident set, peaks, held bytes) loaded from its file without
+    the package's ``__init__``, which imports Horovod: the torchrun jobs must not load it."""
+    package = importlib.util.find_spec("horovod_safusion")  # finds the package, runs nothing
+    spec = importlib.util.spec_from_file_location(
+        "bench_peers_memory", os.path.join(os.path.dirname(package.origin), "memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, key, model, opt, data, loss_fn, warmup):
-        self.key, self.model, self.opt, self.data, self.loss_fn = key, model, opt, data, loss_fn
+
+class Run:
+    """One scheme of one model in one worker: its model, optimizer, data and step counter."""
+
+    def __init__(self, kind, model, opt, data, loss_fn, warmup):
+        self.kind, self.model, self.opt, self.data, self.loss_fn = kind, model, opt, data, loss_fn
         self.warmup, self.step_no = warmup, 0
 
     def step(self) -> None:
@@ -179,9 +273,18 @@ class Run:
         self.loss_fn(self.model(x), y).backward()
         self.opt.step()
 
+    def warm_up(self) -> list[float]:
+        """The warm-up steps, and on until our optimizer has settled; each one's seconds."""
+        times = []
+        while len(times) < self.warmup or not getattr(self.opt, "settled", True):
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
 
 def make_task(name: str, rank: int, size: int, args):
-    """(model factory, data(step) -> (x, y), loss, lr, parameter count) for model ``name``."""
+    """(model factory, data(step) -> (x, y), loss, lr) for model ``name``."""
     import torch
     import torch.nn.functional as F
     from models import LSTMLanguageModel, resnet18
@@ -214,8 +317,6 @@ def build(key: str, kind: str, kwargs: dict, make_model, data, loss_fn, lr: floa
     """The model and optimizer of one scheme, ready for its warm-up."""
     import inspect
     import torch
-    import horovod.torch as hvd
-    import horovod_safusion as saf
 
     torch.manual_seed(args.seed)
     model = make_model()
@@ -223,27 +324,23 @@ def build(key: str, kind: str, kwargs: dict, make_model, data, loss_fn, lr: floa
     warmup = DENSE_WARMUP
     if kind == "compute":
         opt = sgd(model.parameters())
+    elif kind in ("ddp", "ddp-powersgd"):
+        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+        if kind == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+            model.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                     start_powerSGD_iter=POWERSGD_START), P.powerSGD_hook)
+            warmup = POWERSGD_START + 2  # past the start iteration, compressing for 2 steps
+        opt = sgd(model.parameters())
     elif kind in ("horovod", "horovod-fp16"):
+        import horovod.torch as hvd
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         compression = hvd.Compression.fp16 if kind == "horovod-fp16" else hvd.Compression.none
         opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
                                        compression=compression)
-    elif kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
-        opt = sgd(model.parameters())
-    elif kind == "ddp-powersgd":
-        # One bucket: PowerSGD's hook starts its 2nd and 3rd allreduce in completion callbacks (on
-        # Gloo's thread); with several buckets the ranks can start them in different orders
-        # against the next bucket's first allreduce (a race; seen here as Gloo's
-        # "op.preamble.length <= op.nbytes" abort). A bucket as large as the model avoids it.
-        mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=int(mb) + 1)
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-        model.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                                 start_powerSGD_iter=DENSE_WARMUP), P.powerSGD_hook)
-        warmup = DENSE_WARMUP + 2  # past the start iteration, compressing for 2 steps
-        opt = sgd(model.parameters())
     elif kind == "saf":
+        import horovod.torch as hvd
+        import horovod_safusion as saf
         kwargs = dict(kwargs)
         default = inspect.signature(saf.DistributedOptimizer).parameters["profile_steps"].default
         if "profile_steps" not in kwargs and args.profile_steps != default:
@@ -256,7 +353,7 @@ def build(key: str, kind: str, kwargs: dict, make_model, data, loss_fn, lr: floa
         warmup = kwargs.get("profile_steps", default) + 3  # 1 warm-up + profile, re-plan, 2 more
     else:
         raise AssertionError(kind)
-    return Run(key, model, opt, data, loss_fn, warmup)
+    return Run(kind, model, opt, data, loss_fn, warmup)
 
 
 def saf_info(opt) -> dict:
@@ -287,123 +384,299 @@ def pin_threads(rank: int) -> int | None:
     return core
 
 
-def worker(args) -> None:
+def join(kind: str) -> tuple[int, int, Callable[[], None], Callable[[], None]]:
+    """(rank, size, barrier, leave) of this worker's job: ``torch.distributed`` (gloo, set up by
+    torchrun's environment) for compute and DDP's schemes, Horovod for Horovod's and ours."""
     import torch
-    import torch.distributed as dist
+
+    if kind in TORCHRUN:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return (dist.get_rank(), dist.get_world_size(), lambda: dist.all_reduce(torch.zeros(1)),
+                dist.destroy_process_group)
     import horovod.torch as hvd
-    from tqdm import tqdm
-    from horovod_safusion import memory
-
     hvd.init()
+    return (hvd.rank(), hvd.size(), lambda: hvd.allreduce(torch.zeros(1), name="bench_peers.barrier"),
+            hvd.shutdown)
+
+
+def timed_turn(run: Run, rnd: int, barrier: Callable[[], None], memory, steps: int) -> dict:
+    """One round of one scheme in this worker: 1 untimed step, a barrier, ``steps`` timed steps."""
+    run.step()  # untimed: back from the stop
+    barrier()
+    peak_before = memory.rss()["hwm"]  # the peak since the last turn's timed steps (or the start)
+    memory.reset_peak()
+    base = memory.rss()["rss"]
+    th0, c0, t0 = thread_cpu(), time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        run.step()
+    wall = (time.perf_counter() - t0) / steps
+    cpu = (time.process_time() - c0) / steps
+    main, other, by = thread_delta(th0, thread_cpu())
+    hwm = memory.rss()["hwm"]
+    sample = {"round": rnd, "wall": wall, "cpu": cpu, "training": main / steps, "other": other / steps,
+              "threads": {k: v / steps for k, v in by.items()},
+              "rise": hwm - base, "peak": max(peak_before, hwm)}
+    if run.kind == "saf":
+        sample["saf"] = saf_info(run.opt)
+    return sample
+
+
+def worker(args) -> None:
+    """One worker of one job: build, warm up, report warm, then run the rounds the driver orders."""
+    import torch
+
+    key, kind, kwargs = parse_scheme(args.schemes[0])
+    ctl = Control(args.job_dir)
     torch.set_num_threads(1)
-    rank, size = hvd.rank(), hvd.size()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size)
+    rank, size, barrier, leave = join(kind)
+    ctl.write(f"pid.{rank}", os.getpid())
     core = pin_threads(rank) if args.pin else None
-    schemes = [parse_scheme(t) for t in args.schemes]
-    barrier = lambda: hvd.allreduce(torch.zeros(1), name="bench_peers.barrier")  # noqa: E731
-    raw: dict[str, dict] = {}
-    meta: dict[str, dict] = {}
-    for model_name in args.models:
-        make_model, data, loss_fn, lr = make_task(model_name, rank, size, args)
-        probe = make_model()
-        params = sum(p.numel() for p in probe.parameters())
-        model_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
-        del probe
-        runs, mem = [], {}
-        throwaway = build("compute", "compute", {}, make_model, data, loss_fn, lr, args)
-        for _ in range(2):  # what the process allocates once (thread pools, caches) is not any scheme's
-            throwaway.step()
-        del throwaway
-        with tqdm(total=len(schemes), desc=f"{args.link} {model_name} warm-up", disable=rank != 0,
-                  file=sys.stdout, dynamic_ncols=True) as bar:
-            for key, kind, kw in schemes:  # each built and warmed up in turn: its memory apart
-                barrier()
-                before = memory.resident()
-                memory.reset_peak()
-                run = build(key, kind, kw, make_model, data, loss_fn, lr, args)
-                for _ in range(run.warmup):
-                    run.step()
-                while not getattr(run.opt, "settled", True):  # our profile, and a sparse/dense trial
-                    run.step()
-                peak = memory.rss()["hwm"] - before
-                mem[key] = {"steady": memory.resident() - before, "warmup_peak": peak, "step_peak": 0,
-                            "held": memory.held(run.opt).bytes if kind == "saf" else None}
-                runs.append(run)
-                bar.update()
-        samples: dict[str, list] = {run.key: [] for run in runs}
-        orders = []
-        with tqdm(total=args.alternations * len(runs), desc=f"{args.link} {model_name} rounds",
-                  disable=rank != 0, file=sys.stdout, dynamic_ncols=True) as bar:
-            for rnd in range(args.alternations):
-                order = runs[rnd % len(runs):] + runs[:rnd % len(runs)]
-                orders.append([r.key for r in order])
-                for run in order:
-                    run.step()  # untimed: the switch from the previous scheme
-                    barrier()
-                    base = memory.rss()["rss"]
-                    memory.reset_peak()
-                    th0, c0, t0 = thread_cpu(), time.process_time(), time.perf_counter()
-                    for _ in range(args.steps):
-                        run.step()
-                    wall = (time.perf_counter() - t0) / args.steps
-                    cpu = (time.process_time() - c0) / args.steps
-                    main, other, by = thread_delta(th0, thread_cpu())
-                    m = mem[run.key]
-                    m["step_peak"] = max(m["step_peak"], memory.rss()["hwm"] - base)
-                    sample = {"round": rnd, "wall": wall, "cpu": cpu, "training": main / args.steps,
-                              "other": other / args.steps, "threads": {k: v / args.steps for k, v in by.items()}}
-                    if run.key in OURS or ":" in run.key:
-                        sample["saf"] = saf_info(run.opt)
-                    samples[run.key].append(sample)
-                    bar.update()
-        raw[model_name] = hvd.allgather_object(samples, name=f"bench_peers.samples.{model_name}")
-        meta[model_name] = {"params": params, "orders": orders,
-                            "warmup": {run.key: run.warmup for run in runs},
-                            "model_bytes": model_bytes,
-                            "memory": hvd.allgather_object(mem, name=f"bench_peers.memory.{model_name}"),
-                            "max_rss_gb": hvd.allgather_object(
-                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                                name=f"bench_peers.rss.{model_name}")}
-        del runs
-        gc.collect()
-    cores = hvd.allgather_object(core, name="bench_peers.cores")
-    if rank == 0:
-        with open(args.result, "w") as f:
-            json.dump({"workers": size, "pinned_cores": cores, "torch": torch.__version__, "meta": meta,
-                       "per_rank": raw}, f)
-    dist.destroy_process_group()
+    memory = memory_module()
+    make_model, data, loss_fn, lr = make_task(args.models[0], rank, size, args)
+    run = build(key, kind, kwargs, make_model, data, loss_fn, lr, args)
+    times = run.warm_up()
+    weights = list(run.model.parameters())
+    ctl.write(f"warm.{rank}", {
+        "pid": os.getpid(), "core": core, "size": size, "torch": torch.__version__,
+        "params": sum(p.numel() for p in weights), "model_bytes": sum(p.numel() * p.element_size() for p in weights),
+        "warmup_steps": len(times), "step_time": float(np.median(times[-DENSE_WARMUP:])),
+        "steady": memory.resident(), "hwm": memory.rss()["hwm"],
+        "held": memory.held(run.opt).bytes if kind == "saf" else None})
+    print(f"rank {rank}: warm after {len(times)} steps, last {times[-1]:.3f} s", flush=True)
+    done = -1
+    while (rnd := ctl.next_round(done)) is not None:
+        ctl.write(f"sample.{rnd}.{rank}", timed_turn(run, rnd, barrier, memory, args.steps))
+        done = rnd
+    leave()
 
 
-# ---- driver -----------------------------------------------------------------------------------
+# ---- driver: jobs -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    """One scheme's job at one link and model, as the driver sees it."""
+
+    key: str
+    kind: str
+    ctl: Control
+    log: str
+    workers: int
+    proc: subprocess.Popen | None = None
+    pids: list[int] = dataclasses.field(default_factory=list)
+    warm: list[dict] = dataclasses.field(default_factory=list)
+    turn_timeout: float = MIN_TURN_TIMEOUT_S
+    failed: str | None = None
+
+    def files(self, kind: str, rnd: int | None = None) -> list[str]:
+        """Every rank's file ``<kind>.<rank>``, or ``<kind>.<rnd>.<rank>`` for round ``rnd``."""
+        return [f"{kind}.{r}" if rnd is None else f"{kind}.{rnd}.{r}" for r in range(self.workers)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_job(cmd: list[str], timeout: float, env: dict) -> int:
-    """Run ``cmd`` with output to the terminal; past ``timeout`` s kill it and everything it started."""
+def slug(text: str) -> str:
+    """``text`` as a file name."""
+    return re.sub(r"[^\w.=-]+", "_", text)
+
+
+def command(job: Job, model: str, args) -> list[str]:
+    """The job's launcher command: torchrun for compute and DDP's schemes, horovodrun for the rest."""
+    worker_cmd = [os.path.abspath(__file__), "--worker", "--job-dir", job.ctl.path, "--models", model,
+                  "--schemes", job.key, "--pin" if args.pin else "--no-pin",
+                  *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in WORKER_ARGS), [])]
+    if job.kind in TORCHRUN:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *worker_cmd]
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    return [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, *worker_cmd]
+
+
+def launch(job: Job, cmd: list[str]) -> None:
+    """Start the job in a session of its own, its output to its log."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if job.kind not in TORCHRUN:
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_S)
+    job.ctl.reset()
+    with open(job.log, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        job.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Kill a launcher, everything it started (Horovod puts its workers in sessions of their own)
+    and the worker ``pids``; stopped processes die too."""
     import psutil
 
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return proc.wait(timeout=timeout)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-        try:
-            kids = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            kids = []
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        for k in kids:  # Horovod's launcher puts workers in sessions of their own
-            try:
-                k.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait()
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        print(f"*** killed after {timeout} s (hang) ***", file=sys.stderr, flush=True)
-        return -signal.SIGKILL
+    except ProcessLookupError:
+        pass
+    for pid in {*pids, *(k.pid for k in kids)}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+#: A worker's own error (an exception, Gloo's abort), then what a launcher says of a worker's end.
+WORKER_ERROR = re.compile(r"what\(\)|\w(Error|Exception)\b.*:|enforce fail|Timed out")
+WORKER_END = re.compile(r"signal|killed|abort|exit ?code", re.I)
+LAUNCHER_REPORT = re.compile(r"ChildFailedError|Horovod detected that one or more processes|To enable traceback")
+
+
+def last_words(log: str, width: int = 200) -> str:
+    """The meaningful line of a job's log: its workers' first error (the cause; later ones tend to
+    be its echoes on the other ranks), or else the last line on how a worker ended, or "no error
+    in its log"."""
+    with open(log, errors="replace") as f:
+        f.seek(max(0, os.path.getsize(log) - 65536))
+        lines = [re.sub(r"^\[\d+\]<std(out|err)>:|^\[rank\d+\]:", "", line).strip() for line in f.read().splitlines()]
+    lines = [line for line in lines if not LAUNCHER_REPORT.search(line)]
+    errors = [line for line in lines if WORKER_ERROR.search(line)]
+    ends = [line for line in lines if WORKER_END.search(line)]
+    line = errors[0] if errors else ends[-1] if ends else "no error in its log"
+    line = re.sub(r"\[[^]]*/[^]]*\]\s*", "", line)  # [source paths and lines] of C++ messages
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def fail(job: Job, why: str) -> None:
+    """Kill the job and mark it failed, with the reason and the meaningful line of its log."""
+    kill_tree(job.proc, job.pids)
+    job.failed = f"{why} ({last_words(job.log)})"
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def trouble(job: Job) -> str | None:
+    """Why the job cannot go on (its launcher exited, or a worker it reported is gone), or None."""
+    rc = job.proc.poll()
+    if rc is not None:
+        return f"exit status {rc}"
+    gone = [f"rank {r} (pid {pid})" for r, pid in enumerate(job.pids) if not alive(pid)]
+    return f"worker {', '.join(gone)} gone" if gone else None
+
+
+def await_files(job: Job, names: list[str], timeout: float, what: str) -> bool:
+    """Wait until the job's workers have written ``names``. False, and the job failed, when it is
+    in trouble or ``timeout`` s pass first."""
+    deadline = time.monotonic() + timeout
+    while not job.ctl.has(names):
+        why = trouble(job) or (f"nothing within {timeout:.0f} s" if time.monotonic() > deadline else None)
+        if why:
+            fail(job, f"{why} {what}")
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def signal_workers(job: Job, sig: signal.Signals, what: str) -> bool:
+    """Send ``sig`` to the job's workers (not its launcher); False, and the job failed, if it is in
+    trouble."""
+    why = trouble(job)
+    for pid in job.pids if why is None else []:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            why = f"worker pid {pid} gone"
+            break
+    if why:
+        fail(job, f"{why} {what}")
+    return why is None
+
+
+def warm_up(job: Job, cmd: list[str], args) -> None:
+    """Start the job, wait until its workers are warm, and stop them."""
+    launch(job, cmd)
+    if not await_files(job, job.files("warm"), args.timeout, "while warming up"):
+        return
+    job.warm = [job.ctl.read(name) for name in job.files("warm")]
+    job.pids = [w["pid"] for w in job.warm]
+    step_time = max(w["step_time"] for w in job.warm)
+    job.turn_timeout = max(MIN_TURN_TIMEOUT_S, 10 * (args.steps + 1) * step_time)
+    signal_workers(job, signal.SIGSTOP, "after warming up")
+
+
+def take_turn(job: Job, rnd: int) -> None:
+    """Continue the job, have it run round ``rnd``, wait for every rank's sample, stop it again."""
+    if signal_workers(job, signal.SIGCONT, f"before round {rnd}"):
+        job.ctl.write("go", rnd)
+        if await_files(job, job.files("sample", rnd), job.turn_timeout, f"in round {rnd}"):
+            signal_workers(job, signal.SIGSTOP, f"after round {rnd}")
+
+
+def finish(jobs: list[Job]) -> None:
+    """Tell every live job to quit and wait (bounded) for it to exit."""
+    live = [job for job in jobs if job.failed is None and signal_workers(job, signal.SIGCONT, "at the end")]
+    for job in live:
+        job.ctl.write("go", "quit")
+    for job in live:
+        try:
+            rc = job.proc.wait(timeout=QUIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(job.proc, job.pids)
+            rc = "killed: still running"
+        if rc != 0:  # its samples are complete; only its exit went wrong
+            print(f"note: {job.key} did not exit cleanly ({rc}): {last_words(job.log)}", file=sys.stderr)
+
+
+def collect(job: Job, alternations: int) -> dict:
+    """What the job's workers wrote: warm records and every rank's samples (a failed job's too)."""
+    samples = [[s for rnd in range(alternations) if (s := job.ctl.read(f"sample.{rnd}.{r}")) is not None]
+               for r in range(job.workers)]
+    return {"kind": job.kind, "failed": job.failed, "warm": job.warm, "samples": samples}
+
+
+def run_model(link: str, model: str, prefix: list[str], args) -> dict:
+    """Every scheme's job at one link and model: start and warm up one at a time, then the rounds."""
+    from tqdm import tqdm
+
+    name = lambda key: slug(f"{link}-{model}-{key}")  # noqa: E731
+    jobs = [Job(key, kind, Control(os.path.join(args.out, "ctl", name(key))),
+                os.path.join(args.out, "logs", f"{name(key)}.log"), args.np)
+            for key, kind, _ in map(parse_scheme, args.schemes)]
+    orders = []
+    try:
+        for job in tqdm(jobs, desc=f"{link} {model} warm-up", file=sys.stdout, dynamic_ncols=True):
+            warm_up(job, prefix + command(job, model, args), args)
+            if job.failed:
+                tqdm.write(f"  {job.key} failed: {job.failed}")
+        with tqdm(total=args.alternations * len(jobs), desc=f"{link} {model} rounds", file=sys.stdout,
+                  dynamic_ncols=True) as bar:
+            for rnd in range(args.alternations):
+                order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
+                orders.append([job.key for job in order])
+                for job in order:
+                    if job.failed is None:
+                        take_turn(job, rnd)
+                        if job.failed:
+                            tqdm.write(f"  {job.key} failed: {job.failed}")
+                    bar.update()
+        finish(jobs)
+    finally:  # an error or Ctrl-C in the driver leaves no job behind, stopped or not
+        for job in jobs:
+            if job.proc is not None and job.proc.poll() is None:
+                kill_tree(job.proc, job.pids)
+    warm = next((w for job in jobs for w in job.warm), {})
+    return {"params": warm.get("params"), "model_bytes": warm.get("model_bytes"), "workers": args.np,
+            "torch": warm.get("torch"), "orders": orders,
+            "jobs": {job.key: collect(job, args.alternations) for job in jobs}}
 
 
 def check_schemes(tokens: list[str]) -> None:
@@ -422,48 +695,36 @@ def drive(args) -> None:
     check_schemes(args.schemes)  # before any job
     for link in args.links:
         check_link(link)  # before the first job, not after it
-    os.makedirs(args.out, exist_ok=True)
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    results, failed = {}, None
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    results: dict = {}
     for link in args.links:
-        result = os.path.join(args.out, f"raw-{link}.json")
-        if os.path.exists(result):
-            os.remove(result)
-        cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
-               sys.executable, os.path.abspath(__file__), "--worker", "--result", result,
-               "--port", str(free_port()), "--link", link, "--pin" if args.pin else "--no-pin",
-               *sum(([f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
-                     for k, v in vars(args).items() if k in WORKER_ARGS), [])]
-        print(f"== link {link}: {args.np} workers, models {' '.join(args.models)}, "
+        print(f"== link {link}: {args.np} workers per job, models {' '.join(args.models)}, "
               f"schemes {' '.join(args.schemes)}", flush=True)
         t0 = time.time()
-        with limited_link(link) as prefix:
-            rc = run_job(prefix + cmd, args.timeout, env)
-        if rc != 0 or not os.path.exists(result):
-            failed = f"link {link}: the job failed (exit status {rc})"
-            break
+        with limited_link(link) as prefix:  # one namespace for all of the link's jobs
+            for model in args.models:
+                results.setdefault(link, {})[model] = run_model(link, model, prefix, args)
         print(f"== link {link}: done in {time.time() - t0:.0f} s", flush=True)
-        with open(result) as f:
-            results[link] = json.load(f)
-    if results:
-        summary = report(results, args)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "raw": results}, f, indent=1)
-        plot(summary, os.path.join(args.out, "bench_peers.png"))
-        print(f"wrote {args.out}/results.json, bench_peers.png")
-    if failed:
-        raise SystemExit(failed)
+    summary = report(results, args)
+    failures = [{"link": link, "model": model, "scheme": key, "reason": job["failed"]}
+                for link, by_model in results.items() for model, res in by_model.items()
+                for key, job in res["jobs"].items() if job["failed"]]
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "summary": summary, "failures": failures, "raw": results}, f, indent=1)
+    plot(summary, os.path.join(args.out, "bench_peers.png"))
+    print(f"wrote {args.out}/results.json, bench_peers.png; job logs in {args.out}/logs")
 
 
-def per_round(per_rank: list[dict], key: str) -> list[dict]:
-    """One scheme's rounds over all ranks: wall = slowest rank, CPU = mean of ranks."""
-    rounds = []
-    for samples in zip(*(r[key] for r in per_rank)):
-        rounds.append({"round": samples[0]["round"],
-                       "wall": max(s["wall"] for s in samples),
-                       **{k: float(np.mean([s[k] for s in samples])) for k in ("cpu", "training", "other")}})
-    return rounds
+# ---- driver: statistics and report ------------------------------------------------------------
+def per_round(samples: list[list[dict]]) -> list[dict]:
+    """One scheme's rounds over all ranks (``samples`` per rank): wall = slowest rank, CPU = mean."""
+    by_round: dict[int, list[dict]] = {}
+    for rank_samples in samples:
+        for s in rank_samples:
+            by_round.setdefault(s["round"], []).append(s)
+    return [{"round": rnd, "wall": max(s["wall"] for s in ss),
+             **{k: float(np.mean([s[k] for s in ss])) for k in ("cpu", "training", "other")}}
+            for rnd, ss in sorted(by_round.items()) if len(ss) == len(samples)]
 
 
 def stats(values) -> dict:
@@ -478,38 +739,42 @@ def ratios(num: list[dict], den: list[dict]) -> dict:
     return stats(a[k] / b[k] for k in sorted(a.keys() & b.keys()))
 
 
-def footprint(per_rank_memory: list[dict], key: str) -> dict:
-    """One scheme's memory per worker, the worst rank, in bytes: ``steady`` (resident after its
-    build and warm-up, minus before), ``peak`` (the larger of the peak during build and warm-up and
-    steady plus the largest rise within its timed steps) and ``held`` (our optimizer's own tensors,
-    :func:`horovod_safusion.memory.held`; None for the peers)."""
-    ms = [m[key] for m in per_rank_memory]
-    held = [m["held"] for m in ms if m["held"] is not None]
-    return {"steady": max(m["steady"] for m in ms),
-            "peak": max(max(m["warmup_peak"], m["steady"] + m["step_peak"]) for m in ms),
+def footprint(job: dict) -> dict:
+    """One job's memory per worker, the worst rank, in bytes: ``steady`` (resident after build and
+    warm-up), ``peak`` (highest resident set over the whole job), ``rise`` (largest rise within a
+    round's timed steps) and ``held`` (our optimizer's own tensors; None for the peers)."""
+    samples = [s for rank_samples in job["samples"] for s in rank_samples]
+    held = [w["held"] for w in job["warm"] if w["held"] is not None]
+    return {"steady": max(w["steady"] for w in job["warm"]),
+            "peak": max([w["hwm"] for w in job["warm"]] + [s["peak"] for s in samples]),
+            "rise": max(s["rise"] for s in samples),
             "held": max(held) if held else None}
 
 
-def summarise(per_rank: list[dict], per_rank_memory: list[dict] | None = None) -> dict:
-    keys = list(per_rank[0])
-    rounds = {k: per_round(per_rank, k) for k in keys}
-    out = {"schemes": {}, "speedups": {}}
-    for k in keys:
-        row = {"wall": stats(r["wall"] for r in rounds[k]),
-               **{c: stats(r[c] for r in rounds[k]) for c in ("cpu", "training", "other")}}
+def summarise(jobs: dict) -> dict:
+    """Per scheme: statistics over rounds, scaling factor, memory; safusion's speedups; failures."""
+    failed = {k: job["failed"] for k, job in jobs.items() if job["failed"]}
+    rounds = {k: per_round(job["samples"]) for k, job in jobs.items() if k not in failed}
+    out: dict = {"schemes": {}, "failed": failed, "speedups": {}}
+    for k, rs in rounds.items():
+        row = {"wall": stats(r["wall"] for r in rs), "memory": footprint(jobs[k]),
+               **{c: stats(r[c] for r in rs) for c in ("cpu", "training", "other")}}
         if "compute" in rounds:
-            row["scaling"] = ratios(rounds["compute"], rounds[k])
-        if per_rank_memory:
-            row["memory"] = footprint(per_rank_memory, k)
+            row["scaling"] = ratios(rounds["compute"], rs)
         out["schemes"][k] = row
+    if "compute" in out["schemes"]:
+        base = out["schemes"]["compute"]["memory"]
+        for row in out["schemes"].values():
+            row["memory"]["over_compute"] = {c: row["memory"][c] - base[c] for c in ("steady", "peak")}
     if "safusion" in rounds:
         for peer in VS:
             if peer in rounds:
                 out["speedups"][peer] = ratios(rounds[peer], rounds["safusion"])
         dense = [p for p in DENSE if p in rounds]
         if dense:
-            best = [{"round": rs[0]["round"], "wall": min(r["wall"] for r in rs)}
-                    for rs in zip(*(rounds[p] for p in dense))]
+            walls = [{r["round"]: r["wall"] for r in rounds[p]} for p in dense]
+            common = sorted(set.intersection(*map(set, walls)))
+            best = [{"round": rnd, "wall": min(w[rnd] for w in walls)} for rnd in common]
             out["speedups"]["best dense"] = ratios(best, rounds["safusion"])
             out["best_dense_of"] = dense
         if "density-0.001" in rounds:
@@ -518,34 +783,49 @@ def summarise(per_rank: list[dict], per_rank_memory: list[dict] | None = None) -
 
 
 def report(results: dict, args) -> dict:
+    """Print a table per model and link; return the summary."""
     fmt = lambda s: f"{s['median']:7.3f} [{s['min']:.3f}–{s['max']:.3f}]"  # noqa: E731
     fx = lambda s: f"{s['median']:5.2f}x [{s['min']:.2f}–{s['max']:.2f}]"  # noqa: E731
+    mb = lambda b: f"{b / 1e6:.0f}"  # noqa: E731
     summary: dict = {}
     for model in args.models:
-        for link, res in results.items():
-            if model not in res["per_rank"]:
-                continue
-            meta = res["meta"][model]
-            s = summarise(res["per_rank"][model], meta.get("memory"))
-            s["params"] = meta["params"]
-            mb = s["model_bytes"] = meta.get("model_bytes", 4 * meta["params"])
-            s["max_rss_gb"] = res["meta"][model]["max_rss_gb"]
+        for link, by_model in results.items():
+            res = by_model[model]
+            s = summarise(res["jobs"])
+            s["params"], s["model_bytes"] = res["params"], res["model_bytes"]
             summary.setdefault(model, {})[link] = s
-            print(f"\n{model} ({s['params'] / 1e6:.1f} M weights), link {link}, {res['workers']} workers, "
+            cores = next(([w["core"] for w in job["warm"]] for job in res["jobs"].values() if job["warm"]), None)
+            weights = f"{s['params'] / 1e6:.1f} M weights" if s["params"] else "no job got warm"
+            print(f"\n{model} ({weights}), link {link}, {res['workers']} workers per job, "
                   f"batch {args.batch_size}/worker, {args.alternations} alternations x {args.steps} steps, "
-                  f"pinned {res['pinned_cores']}")
+                  f"pinned {cores}")
             print(f"{'scheme':<16} {'s/iteration [min–max]':>24} | {'CPU s/it/worker':>15} {'training':>9} "
-                  f"{'other thr':>9} | {'scaling [min–max]':>20} | {'steady MB':>9} {'peak MB':>8} {'held x':>6}")
-            for k, row in s["schemes"].items():
-                m = row.get("memory")
-                mem = (f"{m['steady'] / 1e6:9.0f} {m['peak'] / 1e6:8.0f} "
-                       f"{'-' if m['held'] is None else format(m['held'] / mb, '.2f'):>6}") if m else ""
+                  f"{'other thr':>9} | {'scaling [min–max]':>20} | {'steady MB':>9} {'peak MB':>8} "
+                  f"{'+steady':>7} {'+peak':>6} {'rise MB':>7} {'held x':>6}")
+            for k in res["jobs"]:
+                if k in s["failed"]:
+                    print(f"{k:<16} failed: {s['failed'][k]}")
+                    continue
+                row, m = s["schemes"][k], s["schemes"][k]["memory"]
+                over = m.get("over_compute")
+                held = "-" if m["held"] is None else format(m["held"] / s["model_bytes"], ".2f")
                 print(f"{k:<16} {fmt(row['wall']):>24} | {row['cpu']['median']:>15.3f} "
                       f"{row['training']['median']:>9.3f} {row['other']['median']:>9.3f} | "
-                      f"{fx(row['scaling']) if 'scaling' in row else '-':>20} | {mem}")
-            print(f"memory per worker, worst rank: steady = resident after the scheme's build and warm-up "
-                  f"minus before (its model copy and state, {mb / 1e6:.0f} MB of weights); peak = its "
-                  "highest rise over that baseline; held x = our optimizer's own tensors / the model")
+                      f"{fx(row['scaling']) if 'scaling' in row else '-':>20} | "
+                      f"{mb(m['steady']):>9} {mb(m['peak']):>8} "
+                      f"{mb(over['steady']) if over else '-':>7} {mb(over['peak']) if over else '-':>6} "
+                      f"{mb(m['rise']):>7} {held:>6}")
+            if s["params"]:
+                print(f"memory per worker, worst rank, of each scheme's own job: steady = resident after build and "
+                      f"warm-up, peak = highest over the job; +steady/+peak = over compute's job; rise = largest "
+                      f"within a round's timed steps; held x = our optimizer's own tensors / the model's "
+                      f"{s['model_bytes'] / 1e6:.0f} MB of weights")
+            scaling = {k: row["scaling"] for k, row in s["schemes"].items() if "scaling" in row and k != "compute"}
+            if scaling:
+                print("scaling factor = compute s/it / scheme s/it (median [min–max] of per-alternation ratios; "
+                      "1: communication costs nothing)")
+                for k, r in scaling.items():
+                    print(f"  {k:<16} {fx(r)}")
             if s["speedups"]:
                 print("safusion speedup = peer s/it / safusion s/it (median [min–max] of per-alternation "
                       "ratios; >1: safusion faster)")
@@ -554,7 +834,8 @@ def report(results: dict, args) -> dict:
                     if peer == "best dense":
                         extra = f"  (fastest of {'/'.join(s['best_dense_of'])} each alternation)"
                     print(f"  vs {peer:<14} {fx(r)}{extra}")
-            plans = {k: v[-1]["saf"] for k, v in res["per_rank"][model][0].items() if v and "saf" in v[-1]}
+            plans = {k: job["samples"][0][-1]["saf"] for k, job in res["jobs"].items()
+                     if k in s["schemes"] and "saf" in job["samples"][0][-1]}
             s["plans"] = plans
             for k, info in plans.items():
                 print(f"{k}: {'dense allreduce' if info.get('dense') else 'sparse'}, {info.get('buffers')} buffers, "
@@ -589,12 +870,16 @@ def plot(summary: dict, path: str) -> None:
         ax.bar(range(len(keys)), med, yerr=[lo, hi], capsize=3, color=colors)
         for i, m in enumerate(med):
             ax.annotate(f"{m:.2f}", (i, m), xytext=(3, 2), textcoords="offset points", fontsize=6)
+        for i, k in enumerate(s["failed"], start=len(keys)):
+            ax.annotate("failed", (i, 0), xytext=(0, 2), textcoords="offset points", fontsize=6, ha="center",
+                        color="C3")
         handles = [Patch(color="C0", label="peers"), Patch(color="C3", label="horovod_safusion")]
         if "compute" in s["schemes"]:
             handles.append(ax.axhline(s["schemes"]["compute"]["wall"]["median"], color="k", ls="--", lw=1,
                                       label="compute alone"))
         ax.legend(handles=handles, fontsize=7, loc="upper left")
-        ax.set_xticks(range(len(keys)), keys, rotation=40, ha="right", fontsize=7)
+        ticks = keys + list(s["failed"])
+        ax.set_xticks(range(len(ticks)), ticks, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("s/iteration (median, bars: min–max)")
         ax.set_title(f"{model}, link {link}", fontsize=10)
     fig.tight_layout()
@@ -602,12 +887,12 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-WORKER_ARGS = ("models", "schemes", "alternations", "steps", "profile_steps", "batch_size", "bptt", "vocab", "seed")
+WORKER_ARGS = ("steps", "profile_steps", "batch_size", "bptt", "vocab", "seed")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--np", type=int, default=2, help="workers")
+    ap.add_argument("--np", type=int, default=2, help="workers per job")
     ap.add_argument("--links", nargs="+", default=[LOOPBACK, "1gbit", "200mbit"],
                     help="'loopback' or tc rates (each in a network namespace; needs root)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -621,13 +906,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=10000, help="lstm: vocabulary size")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="pin worker r to core r %% cores")
-    ap.add_argument("--timeout", type=float, default=7200, help="seconds per link's job before it is killed")
+    ap.add_argument("--timeout", type=float, default=1800,
+                    help="seconds a job may take to start and warm up before it is killed as failed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_peers")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--link", default=LOOPBACK, help=argparse.SUPPRESS)
+    ap.add_argument("--job-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 1 or args.alternations < 1:
         ap.error("--steps and --alternations must be at least 1")
@@ -635,6 +919,7 @@ def main() -> None:
         sys.path.insert(0, os.path.join(HERE, "..", "examples"))
         worker(args)
     else:
+        args.out = os.path.abspath(args.out)  # the workers run elsewhere and must find its files
         drive(args)
 
 
