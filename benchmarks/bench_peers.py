@@ -19,7 +19,7 @@ Peers (each a key in the results):
 
 ``--schemes`` picks a subset and adds variants written ``name:key=value:key=value``; the pairs are
 keyword arguments of ``horovod_safusion.DistributedOptimizer`` (``density`` is a float,
-``profile_steps``/``replan_every`` ints, ``true``/``false`` booleans, the rest strings), laid
+``profile_steps``/``replan_every``/``min_selected`` ints, ``true``/``false`` booleans, the rest strings), laid
 over ``name``'s own arguments when ``name`` is one of our schemes above, or with ``fusion=name``
 when it names a fusion planner. The whole string is the variant's key, e.g.
 ``safusion:compressor=topk:density=0.01``.
@@ -134,7 +134,7 @@ VS = ("horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 MODELS = ("resnet18", "lstm")
 DENSE_WARMUP = 3  # steps for the peers' first iterations (allocation, DDP's bucket rebuild)
 POWERSGD_START = 2  # PowerSGD's start_powerSGD_iter
-INT_KEYS = ("profile_steps", "replan_every")
+INT_KEYS = ("profile_steps", "replan_every", "min_selected")
 COLLECTIVE_TIMEOUT_S = 7200  # Gloo's timeout in every job: a job stays stopped while the others run
 POLL_S = 0.01  # how often a waiting worker looks for its next order
 MIN_TURN_TIMEOUT_S = 120.0

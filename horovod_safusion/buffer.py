@@ -40,13 +40,15 @@ class FusionBuffer:
         momentum: DGC's momentum ``u`` in the same layout, when momentum correction is on.
     """
 
-    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.Tensor], order: str) -> None:
+    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.Tensor], order: str,
+                 dense: bool = False) -> None:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"fusion buffer {index} mixes dtypes {sorted(map(str, dtypes))} or devices "
                              f"{sorted(map(str, devices))}; one buffer is one flat tensor")
         self.index = index
+        self.dense = dense  # sent dense at every step (small tensors), never sparsified
         self.tag = str(index)
         self.names = tuple(names)
         self.params = tuple(params)

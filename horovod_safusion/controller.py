@@ -75,7 +75,7 @@ from .kernels import host
 from .momentum import LocalClipping, MomentumCorrection
 from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, WAIT,
                        Observer, combine)
-from .plan import FusionPlan, check_plan_across_ranks
+from .plan import FusionPlan, check_plan_across_ranks, send_small_dense
 from .residual import ResidualStore, holds
 from .session import collective
 from .warmup import DensityWarmup
@@ -129,6 +129,8 @@ class Controller:
         clipping: local gradient clipping (DGC), applied to each gradient before error feedback.
         warmup: the density of each step while warming up (DGC); the compressor's own density is
             the target.
+        min_selected: tensors that would send fewer elements per step than this go dense in a
+            shared buffer (:func:`~horovod_safusion.plan.send_small_dense`); 0 sparsifies all.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
@@ -136,7 +138,7 @@ class Controller:
                  prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
-                 warmup: DensityWarmup | None = None) -> None:
+                 warmup: DensityWarmup | None = None, min_selected: int = 0) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicator = communicator
@@ -155,6 +157,7 @@ class Controller:
         self.observer: Observer | None = None  # those watching, as one (None: nobody pays)
         self._dense_communicator: Communicator | None = None
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
+        self.min_selected = min_selected
         self.target_density = 1.0 if compressor.dense else compressor.density
         self._dense, self._sender = compressor.dense, communicator  # per step: _choose_sender()
         self._rewrite: list[tuple[torch.Tensor, torch.Tensor]] = []  # (.grad, dense stand-in), see _grad_of
@@ -165,15 +168,21 @@ class Controller:
 
     # ---- plan ----------------------------------------------------------------------------
     def set_plan(self, plan: FusionPlan) -> None:
-        """Switch to ``plan`` between steps: the residuals (and momenta) move into the new buffers
-        (:func:`~horovod_safusion.buffer.gather`)."""
+        """Switch to ``plan`` between steps, its small tensors sent dense (:attr:`min_selected`,
+        :func:`~horovod_safusion.plan.send_small_dense`): the residuals (and momenta) move into the
+        new buffers (:func:`~horovod_safusion.buffer.gather`)."""
         if self._step_open:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
-        plan.validate(self.params, {n: p.numel() for n, p in self.params.items()})
+        numel = {n: p.numel() for n, p in self.params.items()}
+        plan.validate(self.params, numel)
+        if not self.compressor.dense:
+            group = {n: (p.dtype, p.device) for n, p in self.params.items()}
+            plan = send_small_dense(plan, numel, group, self.target_density, self.min_selected)
         self.plan = plan
-        self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order)
+        self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order,
+                                     dense=i in plan.dense_buffers)
                         for i, names in enumerate(plan.buffers)]
-        link(self.buffers)
+        link([b for b in self.buffers if not b.dense])  # a dense buffer holds no planes of its own
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
         self.gather()
 
@@ -204,7 +213,8 @@ class Controller:
             kinds.setdefault((p.dtype, p.device), []).append(name)
         plan = self.plan
         self.switch_plan(FusionPlan(plan.buffers + tuple(tuple(b) for b in kinds.values()), order=plan.order,
-                                    planner=plan.planner, dense=plan.dense, meta=plan.meta))
+                                    planner=plan.planner, dense=plan.dense, meta=plan.meta,
+                                    dense_buffers=plan.dense_buffers))
 
     def _number_params(self) -> None:
         """Each parameter's position in the step's flags (:meth:`_flags_anywhere`): the order of
@@ -247,12 +257,21 @@ class Controller:
         if self.warmup is not None and density < 1.0 and not self.compressor.dense:
             self.compressor.density = density
         self._dense = self.compressor.dense or self.plan.dense or density >= 1.0
-        self._sender = self.communicator
-        if self._dense and not self.communicator.dense:
-            if self._dense_communicator is None:
-                self._dense_communicator = Allreduce(
-                    process_set=self.communicator.process_set, compression=self.communicator.compression)
-            self._sender = self._dense_communicator
+        self._sender = self._allreduce() if self._dense else self.communicator
+
+    def _allreduce(self) -> Communicator:
+        """The communicator of dense buffers and steps: the job's own where it is dense, else
+        Horovod's allreduce over the same process set and wire compression (made once)."""
+        if self.communicator.dense:
+            return self.communicator
+        if self._dense_communicator is None:
+            self._dense_communicator = Allreduce(
+                process_set=self.communicator.process_set, compression=self.communicator.compression)
+        return self._dense_communicator
+
+    def _sends_dense(self, buf: FusionBuffer) -> bool:
+        """Whether ``buf`` goes dense in this step: a dense step, or a buffer of small tensors."""
+        return self._dense or buf.dense
 
     # ---- push: called from the gradient hooks ----------------------------------------------
     def grad_ready(self, p: torch.Tensor) -> None:
@@ -330,7 +349,7 @@ class Controller:
             buf.grads[slot] = self._grad_of(buf.params[slot])  # where the reduced gradient will go
             if self.clipping is not None:
                 g = self.clipping(g)
-            (self._fill_dense if self._dense else self._fill_sparse)(buf, slot, g)
+            (self._fill_dense if self._sends_dense(buf) else self._fill_sparse)(buf, slot, g)
         else:
             buf.grads[slot] = self._stand_in(buf.params[slot], self._position[buf.names[slot]])
             self._keep(buf, slot)
@@ -355,7 +374,7 @@ class Controller:
         name, seg = buf.names[slot], buf.segment(slot)
         r = self.residuals.peek(name)
         u = self.momentum.momenta.peek(name) if self.momentum is not None else None
-        if self._dense:
+        if self._sends_dense(buf):
             if holds(r, buf.flat, seg):
                 r = r.clone()
                 self.residuals.bind(name, r)
@@ -437,7 +456,8 @@ class Controller:
         obs = self.observer
         t = obs.mark() if obs else None
         rows = None  # the wire rows, where the selection wrote them itself (the device path)
-        if self._dense:
+        dense = self._sends_dense(buf)
+        if dense:
             values, indices = None, None
             buf.flat = None  # its residuals went along with the gradients
         elif not kernels.on_host(buf.flat):
@@ -452,7 +472,7 @@ class Controller:
         if obs:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
                          selected=buf.numel if values is None else values.numel())
-        comm = self._sender  # the job's communicator, or Horovod's allreduce on a dense step
+        comm = self._allreduce() if dense else self._sender  # Horovod's allreduce for dense ones
         buf.target = Target(tuple(buf.grads), buf.bounds)
         buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
                                  self.reduction)

@@ -48,7 +48,7 @@ from .controller import Controller, StepStats
 from .fusion import GroupsPlanner, Planner, Profile, make_planner
 from .fusion.safusion import check_dense_choice
 from .momentum import LocalClipping, MomentumCorrection, check_momentum_groups, momentum_suspended
-from .plan import FusionPlan, TensorInfo, check_plan_across_ranks
+from .plan import MIN_SELECTED, FusionPlan, TensorInfo, check_plan_across_ranks
 from .profiling import OnlineProfiler
 from .timeline.recorder import TimelineRecorder, make_recorder
 from .warmup import DensityWarmup
@@ -65,7 +65,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
                  grad_scaler=None, dense=None, momentum_correction=False, momentum_masking=True,
-                 local_clipping=None, warmup_steps=0, warmup_schedule="exponential"):
+                 local_clipping=None, warmup_steps=0, warmup_schedule="exponential", min_selected=MIN_SELECTED):
         super(self.__class__, self).__init__(params)
         if momentum_correction:
             check_momentum_groups(self)  # an instance of the user's optimizer class, with its groups
@@ -137,7 +137,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable))
             if momentum_correction else None,
             clipping=None if local_clipping is None else LocalClipping(local_clipping, process_set.size()),
-            warmup=warmup if warmup.steps else None)
+            warmup=warmup if warmup.steps else None, min_selected=_check_min_selected(min_selected))
         recorder = make_recorder(timeline)
         self._timeline: TimelineRecorder | None = None
         # Under Horovod elastic a worker may be built while the others are already training, so
@@ -430,6 +430,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
+def _check_min_selected(min_selected: Any) -> int:
+    """``min_selected`` as an int, or a ``ValueError`` naming the value and what is accepted."""
+    if isinstance(min_selected, bool) or not isinstance(min_selected, int) or min_selected < 0:
+        raise ValueError(f"min_selected must be an integer >= 0 (0 sparsifies every tensor), got {min_selected!r}")
+    return min_selected
+
+
 def _check_floating(name: str, p: torch.Tensor) -> None:
     if not p.is_floating_point():
         raise ValueError(f"parameter {name!r} has dtype {p.dtype}; horovod_safusion fuses floating-point "
@@ -515,7 +522,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          momentum_masking: bool = True,
                          local_clipping: float | None = None,
                          warmup_steps: int = 0,
-                         warmup_schedule: str = "exponential"):
+                         warmup_schedule: str = "exponential",
+                         min_selected: int = MIN_SELECTED):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -578,6 +586,12 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         warmup_schedule: ``"exponential"`` (four stages at ``density^(1/5)``, ``^(2/5)``, ``^(3/5)``,
                ``^(4/5)``: DGC's 25 %, 6.25 %, 1.6 %, 0.4 % for 0.001) or ``"dense"`` (every element,
                like PowerSGD's ``start_powerSGD_iter``).
+        min_selected: a tensor that would send fewer than this many elements per step
+               (``ceil(density · numel)``: biases, norms, small heads) is sent whole, in one
+               dense buffer shared by all such tensors, with Horovod's allreduce (default 64;
+               ``0`` sparsifies every tensor, as the papers do). Error feedback on a tensor that
+               sends one or a few elements per step holds its gradient back for many steps and
+               releases it in bursts that momentum amplifies; see the user guide.
 
     The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
     ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
@@ -617,7 +631,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                profile_steps=profile_steps, replan_every=replan_every, timeline=timeline,
                grad_scaler=grad_scaler, dense=dense, momentum_correction=momentum_correction,
                momentum_masking=momentum_masking,
-               local_clipping=local_clipping, warmup_steps=warmup_steps, warmup_schedule=warmup_schedule)
+               local_clipping=local_clipping, warmup_steps=warmup_steps, warmup_schedule=warmup_schedule,
+               min_selected=min_selected)
 
 
 class SAFusionOptimizer:

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from .session import collective
 
 ORDERS = ("ahead", "behind")
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # buffer-relative indices travel as int32
+#: The default floor of :func:`send_small_dense`: a tensor that would send fewer elements per step is
+#: sent whole (``DistributedOptimizer(min_selected=...)``).
+MIN_SELECTED = 64
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class FusionPlan:
         dense: send every element with Horovod's dense allreduce, one per buffer, instead of
             selecting: what ``fusion="safusion"`` does where a dense allreduce is the faster choice
             (a fast link, or a model too small to profit). Residuals are sent along and emptied.
+        dense_buffers: indices of buffers sent dense with Horovod's allreduce on every step while
+            the others are sparsified: the small tensors (:func:`send_small_dense`).
     """
 
     buffers: tuple[tuple[str, ...], ...]
@@ -60,6 +66,7 @@ class FusionPlan:
     planner: str = "custom"
     dense: bool = False
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    dense_buffers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buffers", tuple(tuple(b) for b in self.buffers))
@@ -68,6 +75,10 @@ class FusionPlan:
         for i, b in enumerate(self.buffers):
             if len(b) == 0:
                 raise ValueError(f"fusion buffer {i} is empty; every buffer needs at least one tensor")
+        object.__setattr__(self, "dense_buffers", tuple(sorted(int(i) for i in self.dense_buffers)))
+        bad = [i for i in self.dense_buffers if not 0 <= i < len(self.buffers)]
+        if bad:
+            raise ValueError(f"dense_buffers {bad} are not buffers of this plan (it has {len(self.buffers)})")
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -105,13 +116,14 @@ class FusionPlan:
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"planner": self.planner, "order": self.order, "dense": self.dense,
-                "buffers": [list(b) for b in self.buffers], "meta": self.meta}
+                "buffers": [list(b) for b in self.buffers], "dense_buffers": list(self.dense_buffers),
+                "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusionPlan":
         return cls(buffers=d["buffers"], order=d.get("order", "ahead"),
                    planner=d.get("planner", "custom"), dense=bool(d.get("dense", False)),
-                   meta=d.get("meta", {}))
+                   meta=d.get("meta", {}), dense_buffers=tuple(d.get("dense_buffers", ())))
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -121,9 +133,10 @@ class FusionPlan:
         return cls.from_dict(json.loads(text))
 
     def digest(self) -> str:
-        """SHA-256 over what ranks must agree on: buffers, order and dense (not ``meta``)."""
-        canon = json.dumps({"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers]},
-                           separators=(",", ":"))
+        """SHA-256 over what ranks must agree on: buffers, order, dense and the dense buffers (not
+        ``meta``)."""
+        canon = json.dumps({"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers],
+                            "dense_buffers": list(self.dense_buffers)}, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
     def first_difference(self, other: "FusionPlan") -> str | None:
@@ -132,6 +145,8 @@ class FusionPlan:
             return f"sparsification order differs: {self.order!r} vs {other.order!r}"
         if self.dense != other.dense:
             return f"dense allreduce differs: {self.dense} vs {other.dense}"
+        if self.dense_buffers != other.dense_buffers:
+            return f"dense buffers differ: {list(self.dense_buffers)} vs {list(other.dense_buffers)}"
         for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):
             if a != b:
                 return f"fusion buffer {i} differs: {list(a)[:4]}... vs {list(b)[:4]}..."
@@ -166,6 +181,42 @@ def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
     diff = plan.first_difference(FusionPlan.from_dict(reference))
     raise ValueError("fusion plans differ across ranks (every rank must fuse the same tensors in "
                      f"the same buffers); rank {hvd.rank()} versus rank {versus}: {diff}")
+
+
+def send_small_dense(plan: FusionPlan, numel: dict[str, int], group: dict[str, object], density: float,
+                     min_selected: int) -> FusionPlan:
+    """``plan`` with its small tensors moved into dense buffers (one per group: dtype and device),
+    after the sparse ones: a tensor whose share of a step, ``ceil(density · numel)`` elements, is
+    below ``min_selected`` is sent whole with Horovod's allreduce at every step.
+
+    Why: with error feedback, a tensor that sends a handful of elements per step (a bias, a norm's
+    scale, a small head: k = 1 at density 0.01 for up to 100 elements) holds most of its gradient
+    back for many steps and then delivers it at once, and SGD's momentum multiplies that burst;
+    such tensors made a small network diverge where dense SGD converged, and an error-feedback
+    top-k written from scratch diverged alike (a property of the method). They cost nothing worth
+    saving on the wire: below ``min_selected / density`` elements each. PowerSGD (Vogels et al.,
+    NeurIPS'19, §4 and its PyTorch hook) likewise sends 1-D tensors and matrices that compression
+    would not shrink enough uncompressed, in one batch, as do BytePS, CGX and Espresso.
+
+    Names already in a dense buffer stay there (so the rule can be applied again to its own
+    result, or to a plan that names its dense buffers itself); a plan sent dense as a whole, or
+    ``min_selected <= 0``, is returned as it is. Every rank computes the same plan."""
+    if plan.dense or min_selected <= 0:
+        return plan
+    kept_dense = {n for i in plan.dense_buffers for n in plan.buffers[i]}
+    small = {n for n in plan.names if n not in kept_dense and math.ceil(density * numel[n]) < min_selected}
+    if not small:
+        return plan
+    dense = small | kept_dense
+    sparse = [[n for n in b if n not in small] for i, b in enumerate(plan.buffers) if i not in plan.dense_buffers]
+    sparse = [b for b in sparse if b]
+    by_group: dict[object, list[str]] = {}
+    for n in plan.names:  # back-propagation order within each dense buffer
+        if n in dense:
+            by_group.setdefault(group[n], []).append(n)
+    buffers = sparse + list(by_group.values())
+    return replace(plan, buffers=tuple(tuple(b) for b in buffers),
+                   dense_buffers=tuple(range(len(sparse), len(buffers))))
 
 
 def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: int) -> list[list[str]]:

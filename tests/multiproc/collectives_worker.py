@@ -69,7 +69,7 @@ def scenario_density_one():
                                        named_parameters=ref_m.named_parameters())
         ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1),
                                         named_parameters=our_m.named_parameters(), density=1.0,
-                                        fusion=NaivePlanner(capacity_bytes=8192), **comm_args(comm), dense=False)
+                                        fusion=NaivePlanner(capacity_bytes=8192), **comm_args(comm), dense=False, min_selected=0)
         worst = 0.0
         for step in range(2):
             x, y = batch(step)
@@ -106,7 +106,7 @@ def scenario_conservation():
         m = Branchy()
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                        density=0.05, fusion=NaivePlanner(capacity_bytes=16384),
-                                       **comm_args(comm, "dgc"), dense=False)  # a threshold: counts differ by rank
+                                       **comm_args(comm, "dgc"), dense=False, min_selected=0)  # a threshold: counts differ by rank
         named = list(m.named_parameters())
         worst, scale, same = 0.0, 0.0, True
         for step in range(4):
@@ -143,7 +143,7 @@ def scenario_training():
         m = make(width=16)
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
                                        named_parameters=m.named_parameters(), density=0.1, fusion="safusion",
-                                       profile_steps=3, **comm_args(comm), dense=False)
+                                       profile_steps=3, **comm_args(comm), dense=False, min_selected=0)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         for step in range(60):
             opt.zero_grad()

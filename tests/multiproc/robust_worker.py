@@ -25,6 +25,11 @@ Every scenario runs every compressor with every communicator it can pair with:
   differently on every rank) and a layer frozen at construction made trainable at step 5.
 * ``join_mismatch``: one rank adds a group that the others do not (``one``), or with another
   shape (``shape``): every rank must raise the same clear error.
+* ``tiny``: a tiny regression MLP (``Linear(10, 32)``, ``Tanh``, ``Linear(32, 1)``) fitting a
+  teacher MLP, SGD lr 0.05 momentum 0.9, 300 steps, DGC at density 0.01: Horovod's optimizer,
+  the plugin's defaults, ``dense=False``, and ``dense=False`` with every tensor sparsified
+  (``min_selected=0``, where error feedback sends k = 1 element per tensor and diverges). Records
+  the evaluation loss at the start and the end of each.
 """
 from __future__ import annotations
 
@@ -102,7 +107,7 @@ def build(comp, comm, seed=0, **kw):
     kw.setdefault("profile_steps", 2)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compressor=comp,
-                                   communicator=comm, **kw, dense=False)
+                                   communicator=comm, **kw, dense=False, min_selected=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     return model, opt
@@ -234,7 +239,7 @@ def amp_run(comp, scaler_kind):
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     else:
         opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters(), compressor=comp,
-                                       density=0.1, profile_steps=2, **kw, dense=False)
+                                       density=0.1, profile_steps=2, **kw, dense=False, min_selected=0)
         assert not kw or opt._controller.loss_scale is not None
     scales = []
     for step in range(15):
@@ -273,7 +278,7 @@ def scenario_fp16():
         torch.manual_seed(0)
         model = Net()
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
-                                       compression=hvd.Compression.fp16, compressor=comp, communicator=comm, density=0.1, dense=False)
+                                       compression=hvd.Compression.fp16, compressor=comp, communicator=comm, density=0.1, dense=False, min_selected=0)
         named = list(model.named_parameters())
         not_half, not_exact, bytes_sent = 0, 0, []
         for step in range(5):
@@ -341,7 +346,7 @@ def frozen_runs(labels):
         model = Mlp()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
-                                       named_parameters=model.named_parameters(), density=0.1, profile_steps=2, **kw)
+                                       named_parameters=model.named_parameters(), density=0.1, profile_steps=2, min_selected=0, **kw)
         named = list(model.named_parameters())
         frozen = [(n, p) for n, p in named if n.startswith("b.")]
         rec = {"frozen_moved": 0.0, "frozen_residual_changed": [], "frozen_momentum_changed": [],
@@ -418,7 +423,7 @@ def join_runs():
                                  root_rank=0)
         base = torch.optim.SGD(list(model.trunk.parameters()) + list(model.late.parameters()), lr=0.1, momentum=0.9)
         opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters() if named else None,
-                                       density=0.1, profile_steps=2, **kw)
+                                       density=0.1, profile_steps=2, min_selected=0, **kw)
         planned = []
         for step in range(10):
             if step == 3:
@@ -456,6 +461,44 @@ def scenario_join_mismatch(kind):
 # ---- checkpoints ----------------------------------------------------------------------------
 RESUME_PAIRS = [(c, "allgather") for c in COMPRESSORS] + [("dgc", "spardl"), ("dgc", "zen"), ("exdyna", "exdyna")]
 SAVE_AT, TOTAL = 6, 10
+
+
+def scenario_tiny():
+    def mlp():
+        return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    torch.manual_seed(1234)
+    teacher = mlp()
+    gen = torch.Generator().manual_seed(99)
+    x_eval = torch.randn(512, 10, generator=gen)
+    with torch.no_grad():
+        y_eval = teacher(x_eval)
+    out = {}
+    for label, kw in (("horovod", None), ("default", {}), ("dense=False", {"dense": False}),
+                      ("every tensor sparse", {"dense": False, "min_selected": 0})):
+        torch.manual_seed(0)
+        model = mlp()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()) if kw is None else \
+            saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compressor="dgc",
+                                     density=0.01, profile_steps=2, **kw)
+        data = torch.Generator().manual_seed(7 + hvd.rank())
+
+        def evaluate():
+            with torch.no_grad():
+                return float(F.mse_loss(model(x_eval), y_eval))
+
+        start = evaluate()
+        for _ in range(300):
+            x = torch.randn(32, 10, generator=data)
+            with torch.no_grad():
+                y = teacher(x)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        out[label] = {"start": start, "end": evaluate(), "replicas_equal": replicas_equal(model, f"tiny.{label}")}
+    return out
 
 
 def run_steps(model, opt, first, last):

@@ -36,7 +36,7 @@ def main() -> None:
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compressor="dgc", density=0.05,
                                    fusion="safusion", profile_steps=PROFILE_STEPS,
-                                   timeline=os.path.join(out, "saf.json"), dense=False)
+                                   timeline=os.path.join(out, "saf.json"), dense=False, min_selected=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     walls = []
     for step in range(STEPS):

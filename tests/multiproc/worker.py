@@ -67,7 +67,7 @@ def scenario_dense_equality():
                                        named_parameters=ref_m.named_parameters(), gradient_predivide_factor=pre)
         ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=our_m.named_parameters(), gradient_predivide_factor=pre,
-                                        fusion=NaivePlanner(capacity_bytes=8192), **kw, dense=False)
+                                        fusion=NaivePlanner(capacity_bytes=8192), **kw, dense=False, min_selected=0)
         gd, pd = 0.0, 0.0
         for step in range(3):
             x, y = batch(step)
@@ -152,7 +152,7 @@ def scenario_sparse_aggregation():
         m = make(width=16)
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                        named_parameters=m.named_parameters(), compressor=compressor,
-                                       density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False)
+                                       density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False, min_selected=0)
         named = list(m.named_parameters())
         worst_ref, worst_cons, missing = 0.0, 0.0, 0
         for step in range(4):
@@ -196,7 +196,7 @@ def scenario_dgc_techniques():
         m = make(width=16)
         opt = saf.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), named_parameters=m.named_parameters(),
-            compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False,
+            compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False, min_selected=0,
             momentum_correction=True, local_clipping=5.0, warmup_steps=6, warmup_schedule=schedule)
         ctl = opt._controller
         named = list(m.named_parameters())
@@ -249,7 +249,7 @@ def scenario_device_path():
             m = make(width=16)
             opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                            compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384),
-                                           dense=False)
+                                           dense=False, min_selected=0)
             named = list(m.named_parameters())
             worst, counts = 0.0, []
             for step in range(4):
@@ -303,7 +303,7 @@ def scenario_unused_parameters():
         torch.manual_seed(0)
         m = Branchy()
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=m.named_parameters(), **kw, dense=False)
+                                       named_parameters=m.named_parameters(), **kw, dense=False, min_selected=0)
         for step in range(3):
             opt.zero_grad()
             g = torch.Generator().manual_seed(100 * step + hvd.rank())
@@ -323,7 +323,7 @@ def scenario_backward_passes():
                                    named_parameters=ref_m.named_parameters(), backward_passes_per_step=2)
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1),
                                     named_parameters=our_m.named_parameters(), backward_passes_per_step=2,
-                                    compressor="none", dense=False)
+                                    compressor="none", dense=False, min_selected=0)
     for step in range(2):
         for m, o in ((ref_m, ref), (our_m, ours)):
             o.zero_grad()
@@ -348,7 +348,7 @@ def scenario_broadcast_and_skip():
     """broadcast_optimizer_state keeps working; synchronize + clip + skip_synchronize matches Horovod."""
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.001 * (1 + hvd.rank())),
-                                   named_parameters=m.named_parameters(), dense=False)
+                                   named_parameters=m.named_parameters(), dense=False, min_selected=0)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     lr = opt.param_groups[0]["lr"]
@@ -357,7 +357,7 @@ def scenario_broadcast_and_skip():
     ref_m, our_m = make(), make()
     ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
-                                    compressor="none", dense=False)
+                                    compressor="none", dense=False, min_selected=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):
@@ -377,7 +377,7 @@ def scenario_training():
     """A short real training run learns well above chance (10 classes)."""
     m = make(width=16)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                   named_parameters=m.named_parameters(), compressor="dgc", density=0.01, dense=False)
+                                   named_parameters=m.named_parameters(), compressor="dgc", density=0.01, dense=False, min_selected=0)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     for step in range(120):
         opt.zero_grad()
@@ -399,7 +399,7 @@ def scenario_schemes():
         m = make(width=8)
         sparse = {} if scheme == "horovod" else {"compressor": "dgc", "density": 0.01}
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                       named_parameters=m.named_parameters(), fusion=scheme, profile_steps=3, **sparse, dense=False)
+                                       named_parameters=m.named_parameters(), fusion=scheme, profile_steps=3, **sparse, dense=False, min_selected=0)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         missing = []
         for step in range(60):
@@ -444,7 +444,7 @@ def scenario_generator_alignment():
     torch.manual_seed(0)
     m = SlowOnSomeRanks()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
-                                   compressor="dgc", density=0.01, profile_steps=3, dense=False)
+                                   compressor="dgc", density=0.01, profile_steps=3, dense=False, min_selected=0)
     planners = []
     for step in range(6):
         opt.zero_grad()
@@ -462,7 +462,7 @@ def scenario_generator_alignment():
                                    named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=our_m.named_parameters(), compressor="dgc", density=1.0,
-                                    profile_steps=2, dense=False)
+                                    profile_steps=2, dense=False, min_selected=0)
     diff, switched_at = 0.0, None
     for step in range(6):
         x, y = batch(step)
@@ -491,7 +491,7 @@ def scenario_randomk_shared_indices():
     # exactly as many nonzeros as one rank selected
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                   compressor="randomk", density=0.05, fusion=NaivePlanner(1 << 20), dense=False)
+                                   compressor="randomk", density=0.05, fusion=NaivePlanner(1 << 20), dense=False, min_selected=0)
     x, y = batch(0)
     F.cross_entropy(m(x), y).backward()
     opt.synchronize()
@@ -506,7 +506,7 @@ def scenario_plan_mismatch():
     cap = 1 if hvd.rank() == 0 else 10**9  # one buffer per tensor vs one buffer in all
     try:
         saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                 fusion=NaivePlanner(capacity_bytes=cap), dense=False)
+                                 fusion=NaivePlanner(capacity_bytes=cap), dense=False, min_selected=0)
     except ValueError as e:
         return {"error": str(e)}
     return {"error": ""}

@@ -31,7 +31,7 @@ def make(m, **kw):
     kw.setdefault("compressor", "dgc")
     kw.setdefault("density", 0.05)
     return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                    named_parameters=m.named_parameters(), profile_steps=2, **kw)
+                                    named_parameters=m.named_parameters(), min_selected=0, profile_steps=2, **kw)
 
 
 def through_file(obj):

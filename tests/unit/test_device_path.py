@@ -113,7 +113,7 @@ def test_at_most_one_host_read_per_buffer(hvd, compressor, kernels, monkeypatch)
     torch.manual_seed(0)
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)
-    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(), min_selected=0,
                                    compressor=compressor, density=None if compressor == "none" else 0.05,
                                    fusion=NaivePlanner(capacity_bytes=4096))
     buffers = len(opt.plan.buffers)
@@ -140,7 +140,7 @@ def test_the_host_path_would_not_pass(hvd, monkeypatch):
     torch.manual_seed(0)
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)
-    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(), min_selected=0,
                                    compressor="dgc", density=0.05, fusion=NaivePlanner(capacity_bytes=4096))
     F.cross_entropy(model(x[:64]), y[:64]).backward()
     opt.synchronize()

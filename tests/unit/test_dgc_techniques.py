@@ -21,7 +21,7 @@ def make(momentum=0.9, nesterov=False, weight_decay=0.0, seed=0, width=8, **kwar
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay)
     kwargs.setdefault("fusion", NaivePlanner(capacity_bytes=4096))
-    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kwargs)
+    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), min_selected=0, **kwargs)
     return model, opt
 
 

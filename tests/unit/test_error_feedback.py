@@ -13,12 +13,12 @@ from horovod_safusion.fusion import NaivePlanner
 from digits import DigitsCNN, load_digits_split
 
 
-def run_steps(hvd, steps=4, **kwargs):
+def run_steps(hvd, steps=4, min_selected=0, **kwargs):
     torch.manual_seed(0)
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), **kwargs)
+                                   named_parameters=model.named_parameters(), min_selected=min_selected, **kwargs)
     names = dict(model.named_parameters())
     for step in range(steps):
         before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
@@ -53,6 +53,25 @@ def test_conservation_per_parameter(hvd, compressor, density, fusion):
                 assert 0 < stats.density < 4 * density
 
 
+def test_small_tensors_go_dense_beside_sparse_buffers(hvd):
+    """With the floor on (``min_selected``), tensors that would send fewer elements go whole in a
+    dense buffer of their own, with no residual, while the others stay sparse: conservation holds
+    for both (checked by run_steps), and a small tensor's gradient arrives unchanged."""
+    small = None
+    for opt, model, grads in run_steps(hvd, min_selected=64, compressor="topk", density=0.05,
+                                       fusion=NaivePlanner(capacity_bytes=4096)):
+        plan = opt.plan
+        small = [n for i in plan.dense_buffers for n in plan.buffers[i]]
+        sizes = {n: p.numel() for n, p in model.named_parameters()}
+        assert small == [n for n in plan.names if n in small] and len(plan.dense_buffers) == 1
+        assert sorted(small) == sorted(n for n in sizes if -(-0.05 * sizes[n] // 1) < 64)
+        assert 0 < len(small) < len(sizes)
+        for n, p in model.named_parameters():
+            if n in small:
+                assert torch.equal(p.grad.view(-1), grads[n]) and opt.residuals.peek(n) is None
+    assert small
+
+
 def test_dense_compressor_sends_the_gradient_unchanged(hvd):
     for opt, model, grads in run_steps(hvd, steps=2, compressor="none"):
         for n, p in model.named_parameters():
@@ -77,7 +96,7 @@ def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, monke
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compressor="dgc", density=0.05,
+                                   named_parameters=model.named_parameters(), min_selected=0, compressor="dgc", density=0.05,
                                    fusion=NaivePlanner(capacity_bytes=4096))
     named = dict(model.named_parameters())
     frozen = [n for n in named if n.startswith("features.3.")]

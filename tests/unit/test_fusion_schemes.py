@@ -51,7 +51,7 @@ def test_selection_behind_is_global_top_k_and_ahead_is_per_tensor(hvd, order):
     m, sgd = model_and_grads()
     grads = local_grads(m)
     m.zero_grad()
-    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), compressor="topk", density=0.05,
+    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=0, compressor="topk", density=0.05,
                                    fusion=FusionDegreePlanner(1.0, order))
     backward(m)
     opt.step()

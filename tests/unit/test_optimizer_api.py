@@ -83,8 +83,15 @@ def test_safusion_option_errors_name_the_bad_value(hvd):
 def test_num_groups_is_deprecated_like_horovod_and_becomes_the_plan(hvd):
     m, sgd = model_and_sgd()
     with pytest.warns(DeprecationWarning, match="Parameter `num_groups` has been replaced by `groups`"):
-        opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), num_groups=2)
+        opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), num_groups=2, min_selected=0)
     assert len(opt.plan.buffers) == 2
+    # with the default floor this model's tensors are all small: one dense buffer, sent whole
+    m, sgd = model_and_sgd()
+    with pytest.warns(DeprecationWarning):
+        opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), num_groups=2)
+    assert opt.plan.dense_buffers == (0,) and len(opt.plan.buffers) == 1
+    with pytest.raises(ValueError, match="min_selected must be an integer >= 0 .*got -1"):
+        saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=-1)
 
 
 def test_step_zero_grad_and_backward_passes_contract(hvd):
@@ -135,14 +142,14 @@ def test_unsupported_gradients_fail_clearly(hvd):
 
 def test_state_dict_keeps_this_ranks_residuals(hvd):
     m, sgd = model_and_sgd()
-    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), compressor="topk", density=0.1)
+    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=0, compressor="topk", density=0.1)
     backward(m)
     opt.step()
     state = opt.state_dict()
     held = {n: r.clone() for n, r in state["safusion"]["ranks"][0]["residuals"].items()}
     assert any(r.abs().sum() > 0 for r in held.values())
     m2, sgd2 = model_and_sgd()
-    opt2 = saf.DistributedOptimizer(sgd2, named_parameters=m2.named_parameters(), compressor="topk", density=0.1)
+    opt2 = saf.DistributedOptimizer(sgd2, named_parameters=m2.named_parameters(), min_selected=0, compressor="topk", density=0.1)
     opt2.load_state_dict(state)
     for n, r in held.items():
         assert torch.equal(opt2.residuals.get(n, r), r)

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from horovod_safusion.fusion import GroupsPlanner, NaivePlanner, TensorInfo, make_planner
-from horovod_safusion.plan import FusionPlan, split_by_capacity
+from horovod_safusion.plan import FusionPlan, send_small_dense, split_by_capacity
 
 
 def test_json_round_trip_and_digest():
@@ -13,6 +13,11 @@ def test_json_round_trip_and_digest():
     assert back.digest() == plan.digest()
     assert FusionPlan([["c"], ["b", "a"]], order="behind").digest() != plan.digest()
     assert FusionPlan([["c", "b"], ["a"]], order="ahead").digest() != plan.digest()
+    dense = FusionPlan([["c", "b"], ["a"]], order="behind", dense_buffers=(1,))
+    assert FusionPlan.from_json(dense.to_json()) == dense and dense.digest() != plan.digest()
+    assert "dense buffers differ" in plan.first_difference(dense)
+    with pytest.raises(ValueError, match=r"dense_buffers \[2\] are not buffers of this plan \(it has 2\)"):
+        FusionPlan([["c", "b"], ["a"]], dense_buffers=(2,))
 
 
 def test_validate_names_each_trainable_once():
@@ -72,3 +77,27 @@ def test_groups_planner_matches_horovod_groups():
     assert GroupsPlanner(2).plan(ts).buffers == (("a", "b", "c"), ("d", "e"))
     plan = GroupsPlanner([["e", "a"]]).plan(ts)
     assert plan.buffers == (("b",), ("c",), ("d",), ("a", "e"))
+
+
+@given(st.lists(st.tuples(st.integers(1, 20_000), st.integers(0, 1)), min_size=1, max_size=40),
+       st.integers(1, 8), st.sampled_from([0.001, 0.01, 0.1, 0.5]), st.integers(0, 200))
+def test_send_small_dense_moves_exactly_the_small_tensors(tensors, per_buffer, density, min_selected):
+    """Every tensor with ceil(density * numel) < min_selected ends in a dense buffer of its group
+    (dtype and device), in plan order; the others keep their buffers and order; applying the rule
+    again changes nothing."""
+    names = [f"t{i}" for i in range(len(tensors))]
+    numel = {n: size for n, (size, _) in zip(names, tensors)}
+    group = {n: g for n, (_, g) in zip(names, tensors)}
+    plan = FusionPlan([names[i:i + per_buffer] for i in range(0, len(names), per_buffer)], planner="p")
+    out = send_small_dense(plan, numel, group, density, min_selected)
+    out.validate(names)
+    small = [n for n in names if min_selected > 0 and -(-density * numel[n] // 1) < min_selected]
+    dense = [n for i in out.dense_buffers for n in out.buffers[i]]
+    assert sorted(dense) == sorted(small)
+    for i in out.dense_buffers:
+        assert len({group[n] for n in out.buffers[i]}) == 1
+        assert list(out.buffers[i]) == [n for n in names if n in out.buffers[i]]
+    sparse = [[n for n in b if n not in small] for b in plan.buffers]
+    assert [list(b) for i, b in enumerate(out.buffers) if i not in out.dense_buffers] == [b for b in sparse if b]
+    assert send_small_dense(out, numel, group, density, min_selected) == out
+    assert send_small_dense(FusionPlan(plan.buffers, dense=True), numel, group, density, min_selected).dense_buffers == ()

@@ -31,7 +31,7 @@ def train(tmp_path, timeline, steps=STEPS, model=None, **kw):
     torch.manual_seed(0)
     model = model or DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters(), density=0.05, timeline=timeline,
+                                   named_parameters=model.named_parameters(), min_selected=0, density=0.05, timeline=timeline,
                                    fusion=NaivePlanner(capacity_bytes=4096), **kw)
     walls = []
     for s in range(steps):
@@ -204,7 +204,7 @@ def test_breakdown_cli_table_and_png(hvd, tmp_path, capsys):
         model = DigitsCNN(width=8)
         path = tmp_path / f"cap{cap}.json"
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                       named_parameters=model.named_parameters(), density=0.05,
+                                       named_parameters=model.named_parameters(), min_selected=0, density=0.05,
                                        fusion=NaivePlanner(capacity_bytes=cap), timeline=str(path))
         for s in range(5):
             opt.zero_grad()
@@ -226,7 +226,7 @@ def test_pause_records_nothing_and_resume_goes_on(hvd, tmp_path):
     torch.manual_seed(0)
     model = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters(), density=0.05,
+                                   named_parameters=model.named_parameters(), min_selected=0, density=0.05,
                                    fusion=NaivePlanner(capacity_bytes=4096), timeline=str(tmp_path / "p.json"))
     rec = opt.timeline
     for s in range(9):
