@@ -378,6 +378,8 @@ class Controller:
             if holds(r, buf.flat, seg):
                 r = r.clone()
                 self.residuals.bind(name, r)
+            if buf.dense:  # this rank's contribution to the packed buffer: zeros
+                buf.allocate("flat")[seg].zero_()
         else:
             flat = buf.allocate("flat")
             if holds(r, flat, seg):
@@ -431,9 +433,10 @@ class Controller:
         buf.dropped = buf.dropped + dropped
 
     def _fill_dense(self, buf: FusionBuffer, slot: int, g: torch.Tensor) -> None:
-        """The gradient as it is sent dense: into ``p.grad`` itself (reduced in place), with the
-        residual of earlier sparse steps (sent along, and kept no more) and the momentum."""
-        dst = buf.grads[slot]
+        """The gradient as it is sent dense, with the residual of earlier sparse steps (sent along,
+        and kept no more) and the momentum: into ``p.grad`` itself (reduced in place), or, in a
+        buffer of small tensors, packed into the buffer's flat tensor (:meth:`_unpack`)."""
+        dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else buf.grads[slot]
         r = self.residuals.pop(buf.names[slot])
         on_host = kernels.on_host(dst)
         if self.momentum is not None:
@@ -459,7 +462,8 @@ class Controller:
         dense = self._sends_dense(buf)
         if dense:
             values, indices = None, None
-            buf.flat = None  # its residuals went along with the gradients
+            if not buf.dense:
+                buf.flat = None  # its residuals went along with the gradients
         elif not kernels.on_host(buf.flat):
             values, indices, rows = self._select_on_device(buf)
         else:
@@ -473,7 +477,10 @@ class Controller:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
                          selected=buf.numel if values is None else values.numel())
         comm = self._allreduce() if dense else self._sender  # Horovod's allreduce for dense ones
-        buf.target = Target(tuple(buf.grads), buf.bounds)
+        # A buffer of small tensors travels packed, as one tensor: Horovod's cost is per tensor
+        # (a grouped allreduce of ResNet-18's 43 small tensors took its background thread 45-65 ms
+        # of CPU per step more than one tensor of their size)
+        buf.target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(buf.grads), buf.bounds)
         buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
                                  self.reduction)
         if obs:
@@ -560,6 +567,8 @@ class Controller:
                 self._keep_leftover(buf)
                 if self.momentum is not None and buf.indices is not None:
                     self.momentum.mask(buf, buf.indices)
+            if buf.dense:
+                self._unpack(buf)
             self._restore(buf)
             if obs:
                 obs.span(MEMCPY_OUT, t, buffer=buf.index)
@@ -582,6 +591,13 @@ class Controller:
         if obs:
             obs.span(SYNCHRONIZE, t_sync)
         return stats
+
+    @staticmethod
+    def _unpack(buf: FusionBuffer) -> None:
+        """A buffer of small tensors arrived reduced in its flat tensor: each segment to where its
+        parameter's gradient goes."""
+        for slot, dst in enumerate(buf.grads):
+            dst.copy_(buf.flat[buf.segment(slot)])
 
     def _keep_leftover(self, buf: FusionBuffer) -> None:
         """What the protocol did not deliver (``Pending.leftover``) goes back into the residuals."""
