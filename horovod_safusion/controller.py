@@ -477,9 +477,8 @@ class Controller:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
                          selected=buf.numel if values is None else values.numel())
         comm = self._allreduce() if dense else self._sender  # Horovod's allreduce for dense ones
-        # A buffer of small tensors travels packed, as one tensor: Horovod's cost is per tensor
-        # (a grouped allreduce of ResNet-18's 43 small tensors took its background thread 45-65 ms
-        # of CPU per step more than one tensor of their size)
+        # A buffer of small tensors travels packed, as one tensor: Horovod's background thread
+        # pays per tensor it handles (bench_peers' per-thread CPU shows it)
         buf.target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(buf.grads), buf.bounds)
         buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
                                  self.reduction)
