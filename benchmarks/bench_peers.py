@@ -17,7 +17,9 @@ Peers (each a key in the results):
     wfbp           the same with fusion="wfbp" (one buffer per tensor)
     density-0.001  the default at density=0.001
 
-``--schemes`` picks a subset and adds variants written ``name:key=value:key=value``; the pairs are
+``--schemes`` picks a subset and adds variants written ``name:key=value:key=value``. A key in
+capitals (``HOROVOD_CYCLE_TIME=5``) is an environment variable of that job's launcher and workers,
+for any scheme; the other pairs are
 keyword arguments of ``horovod_safusion.DistributedOptimizer`` (``density`` is a float,
 ``profile_steps``/``replan_every``/``min_selected`` ints, ``true``/``false`` booleans, the rest strings), laid
 over ``name``'s own arguments when ``name`` is one of our schemes above, or with ``fusion=name``
@@ -142,14 +144,25 @@ QUIT_TIMEOUT_S = 120.0  # for a job to exit once told to
 
 
 # ---- schemes ----------------------------------------------------------------------------------
+ENV_KEY = re.compile(r"[A-Z][A-Z0-9_]*")  # a scheme's pair with such a key is an environment variable
+
+
+def scheme_env(token: str) -> dict[str, str]:
+    """The environment variables a scheme's ``KEY=value`` pairs give its job."""
+    pairs = (pair.partition("=") for pair in token.split(":")[1:])
+    return {key: value for key, _, value in pairs if ENV_KEY.fullmatch(key)}
+
+
 def parse_scheme(token: str) -> tuple[str, str, dict]:
-    """``token`` -> (key, kind, kwargs); kind is a peer's name or ``"saf"`` for our optimizer."""
+    """``token`` -> (key, kind, kwargs); kind is a peer's name or ``"saf"`` for our optimizer.
+    Environment pairs (:func:`scheme_env`) are not among the kwargs."""
     name, *pairs = token.split(":")
-    if not pairs:
-        if name in PEERS:
-            return token, name, {}
-        if name in OURS:
-            return token, "saf", dict(OURS[name])
+    pairs = [pair for pair in pairs if not ENV_KEY.fullmatch(pair.partition("=")[0])]
+    if name in PEERS and not pairs:
+        return token, name, {}
+    if name in OURS and not pairs:
+        return token, "saf", dict(OURS[name])
+    if token == name:
         raise SystemExit(f"--schemes {token}: unknown scheme; known: {', '.join(DEFAULT_SCHEMES)}, "
                          "or name:key=value:... for horovod_safusion.DistributedOptimizer arguments")
     if name in PEERS:
@@ -395,6 +408,8 @@ def join(kind: str) -> tuple[int, int, Callable[[], None], Callable[[], None]]:
         return (dist.get_rank(), dist.get_world_size(), lambda: dist.all_reduce(torch.zeros(1)),
                 dist.destroy_process_group)
     import horovod.torch as hvd
+    if kind == "saf":
+        import horovod_safusion  # noqa: F401  imported before hvd.init(), as at the top of a user's script
     hvd.init()
     return (hvd.rank(), hvd.size(), lambda: hvd.allreduce(torch.zeros(1), name="bench_peers.barrier"),
             hvd.shutdown)
@@ -497,7 +512,7 @@ def command(job: Job, model: str, args) -> list[str]:
 
 def launch(job: Job, cmd: list[str]) -> None:
     """Start the job in a session of its own, its output to its log."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **scheme_env(job.key))
     if job.kind not in TORCHRUN:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_S)
     job.ctl.reset()

@@ -10,11 +10,12 @@ from .compressors import Compressor, available_compressors, register_compressor
 from .controller import StepStats
 from .fusion import Planner, available_planners, register_planner
 from .optimizer import DistributedOptimizer, SAFusionOptimizer
-from . import elastic
+from . import cycle, elastic
 from .plan import FusionPlan, TensorInfo
 from .timeline import TimelineRecorder
 
 elastic.register()  # hvd.elastic.TorchState handles this package's optimizers
+cycle.set_default()  # Horovod's cycle time for a few buffers per step, unless one was chosen
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,8 @@ def wait(handle: int) -> Any:
     another one burns a core, and with as many workers as cores it takes CPU time from the
     threads that do the communication (Horovod's background thread, Gloo's) and from the other
     rank's back-propagation. Here the caller polls and sleeps between polls, from 20 µs doubling
-    up to :data:`MAX_POLL_INTERVAL`; the added latency is below one Horovod cycle (1 ms)."""
+    up to :data:`MAX_POLL_INTERVAL`; the added latency is below one Horovod cycle
+    (:mod:`~horovod_safusion.cycle`)."""
     delay = 2e-5
     while not hvd.poll(handle):
         time.sleep(delay)

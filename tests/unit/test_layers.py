@@ -11,7 +11,7 @@ PACKAGE = ROOT.name
 
 #: Lowest first. A name stands for the module and, for a package, every module in it.
 LAYERS = (
-    ("foundation", ("registry", "checkpoint", "clock", "segment", "wire", "plan", "residual", "observer", "session",
+    ("foundation", ("registry", "checkpoint", "clock", "cycle", "segment", "wire", "plan", "residual", "observer", "session",
                     "timeline.trace")),
     ("kernels", ("kernels",)),
     ("algorithms", ("compressors", "fusion", "momentum", "warmup")),
