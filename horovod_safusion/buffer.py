@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import kernels
 from .communicators import Pending, Target
 from .compressors.device import SegmentStats
 from .residual import ResidualStore, holds
@@ -53,6 +54,9 @@ class FusionBuffer:
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype, self.device = params[0].dtype, params[0].device
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.on_host = kernels.on_host(probe)  # the host path fills and selects it (else the device path)
+        self.triton = not self.on_host and kernels.uses_triton(probe)  # the device path's Triton kernels
         self.segments = Segments(self.names, tuple(p.numel() for p in params), self.device)
         # Selection segments: one per tensor (ahead) or one for the whole buffer (behind).
         self.selection = (self.segments if order == "ahead" else

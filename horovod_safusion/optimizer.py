@@ -70,35 +70,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if momentum_correction:
             check_momentum_groups(self)  # an instance of the user's optimizer class, with its groups
         self._compression = compression
-
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [(f'allreduce.noname.{i}.{j}', v)
-                                for i, param_group in enumerate(self.param_groups)
-                                for j, v in enumerate(param_group['params'])]
-        # make sure that named_parameters are tuples
-        if any([not isinstance(p, tuple) for p in named_parameters]):
-            raise ValueError('named_parameters should be a sequence of '
-                             'tuples (name, parameter), usually produced by '
-                             'model.named_parameters().')
-
-        dups = _hvd_optimizer._DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-        if len(dups) > 0:
-            raise ValueError('Parameter names in named_parameters must be unique. '
-                             'Found duplicates: %s' % ', '.join(dups))
-
-        all_param_ids = {id(v) for param_group in self.param_groups for v in param_group['params']}
-        named_param_ids = {id(v) for k, v in named_parameters}
-        unnamed_param_ids = all_param_ids - named_param_ids
-        if len(unnamed_param_ids):
-            raise ValueError('named_parameters was specified, but one or more model '
-                             'parameters were not named. Python object ids: '
-                             '%s' % ', '.join(str(id) for id in unnamed_param_ids))
-
+        named_parameters = self._named(named_parameters)
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_parameters}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -123,30 +97,70 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _set_dense_choice(self._planner, dense)
         comp = make_compressor(_compressor_for(self._planner, compressor), density)
         comm = make_communicator(communicator, comp.dense, process_set, compression)
-        prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
-                               if op == hvd.Average else (1.0, 1.0))
         self._profiler = OnlineProfiler(self._planner, [_tensor_info(n, p) for n, p in self._named_trainable],
                                         {n: p.dtype for n, p in self._named_trainable},
                                         process_set, profile_steps=profile_steps, replan_every=replan_every)
-        plan = self._profiler.initial_plan()
-        warmup = DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density)
         self._momentum_correction = bool(momentum_correction)
-        self._controller = Controller(
-            self._named_trainable, plan, comp, comm, op, prescale, postscale, sparse_as_dense,
-            loss_scale=_loss_scale(grad_scaler),
+        self._controller = self._make_controller(
+            comp, comm, grad_scaler, DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density),
+            momentum_masking, local_clipping, min_selected)
+        self._start(comp, comm, make_recorder(timeline))
+
+    def _named(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
+        """``named_parameters`` checked as Horovod checks them (unique names, every parameter
+        named), or Horovod's names for unnamed parameters."""
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f'allreduce.noname.{i}.{j}', v)
+                                for i, param_group in enumerate(self.param_groups)
+                                for j, v in enumerate(param_group['params'])]
+        # make sure that named_parameters are tuples
+        if any([not isinstance(p, tuple) for p in named_parameters]):
+            raise ValueError('named_parameters should be a sequence of '
+                             'tuples (name, parameter), usually produced by '
+                             'model.named_parameters().')
+
+        dups = _hvd_optimizer._DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
+        if len(dups) > 0:
+            raise ValueError('Parameter names in named_parameters must be unique. '
+                             'Found duplicates: %s' % ', '.join(dups))
+
+        all_param_ids = {id(v) for param_group in self.param_groups for v in param_group['params']}
+        named_param_ids = {id(v) for k, v in named_parameters}
+        unnamed_param_ids = all_param_ids - named_param_ids
+        if len(unnamed_param_ids):
+            raise ValueError('named_parameters was specified, but one or more model '
+                             'parameters were not named. Python object ids: '
+                             '%s' % ', '.join(str(id) for id in unnamed_param_ids))
+        return named_parameters
+
+    def _make_controller(self, comp: Compressor, comm: Communicator, grad_scaler: Any, warmup: DensityWarmup,
+                         momentum_masking: bool, local_clipping: float | None, min_selected: Any) -> Controller:
+        """The controller of the trainable parameters, on the profiler's first plan, with DGC's
+        techniques where asked for."""
+        prescale, postscale = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
+                               if self.op == hvd.Average else (1.0, 1.0))
+        return Controller(
+            self._named_trainable, self._profiler.initial_plan(), comp, comm, self.op, prescale, postscale,
+            self.sparse_as_dense, loss_scale=_loss_scale(grad_scaler),
             momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable))
-            if momentum_correction else None,
-            clipping=None if local_clipping is None else LocalClipping(local_clipping, process_set.size()),
+            if self._momentum_correction else None,
+            clipping=None if local_clipping is None else LocalClipping(local_clipping, self.process_set.size()),
             warmup=warmup if warmup.steps else None, min_selected=_check_min_selected(min_selected))
-        recorder = make_recorder(timeline)
+
+    def _start(self, comp: Compressor, comm: Communicator, recorder: TimelineRecorder | None) -> None:
+        """Check the plan across ranks, set the communicator up, register the hooks and attach
+        the timeline. Under Horovod elastic a worker may be built while the others are already
+        training, so the collectives wait for hvd.elastic.TorchState's sync, which every worker
+        reaches."""
         self._timeline: TimelineRecorder | None = None
-        # Under Horovod elastic a worker may be built while the others are already training, so
-        # the collectives below wait for hvd.elastic.TorchState's sync, which every worker reaches.
         self._awaiting_sync = os.environ.get("HOROVOD_ELASTIC") == "1"
         self._world_size = self.process_set.size()
+        self._reset_delays()
         if self.process_set.included():
             if not self._awaiting_sync:
-                check_plan_across_ranks(plan, self.process_set)
+                check_plan_across_ranks(self._controller.plan, self.process_set)
                 comm.setup(comp)  # may run collectives: every rank of the process set is here
             self._register_hooks()
             if recorder is not None:
@@ -195,8 +209,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def settled(self) -> bool:
         """Whether the plan is final for now: the profile is taken and no sparse-against-dense
         trial is under way (the same on every rank). Benchmarks time steps after this."""
-        gen = self._profiler
-        return not gen.planner.needs_profile or (gen.profile is not None and (gen.trial is None or gen.trial.done))
+        profiler = self._profiler
+        return not profiler.planner.needs_profile or (profiler.profile is not None
+                                                      and (profiler.trial is None or profiler.trial.done))
 
     @property
     def last_stats(self) -> StepStats:
@@ -220,15 +235,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressor or density loads with a warning and leaves the residuals as they are (empty in
         a fresh process). A residual whose size does not fit its parameter is an error.
         Not a collective: it may run on any subset of ranks (e.g. Horovod elastic's restore)."""
-        self._launched = {}
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
         state_dict = dict(args[0] if args else kwargs.pop('state_dict'))
         saved = state_dict.pop(_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict, *args[1:], **kwargs)
-        self._controller.abandon_step()
+        self._reset_step()
         if saved is None:
             warnings.warn("the optimizer state holds no horovod_safusion state (saved by "
                           "hvd.DistributedOptimizer?): error-feedback residuals start empty")
@@ -251,8 +263,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes):
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_delays()
+
+    def _reset_delays(self) -> None:
+        """Every synchronised parameter waits for ``backward_passes_per_step`` more passes."""
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._controller.params.values()}
+
+    def _reset_step(self) -> None:
+        """Forget the step in flight (a state loaded, an elastic reset): the hooks' counts, the
+        controller's buffers, the step the profiler watches."""
+        self._launched = {}
+        self._reset_delays()
+        self._controller.reset_step()
+        self._profiler.reset_step(self._controller)
 
     def _register_hooks(self, named=None):
         for _, p in self._named_trainable if named is None else named:
@@ -289,8 +312,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller.synchronize(self._launched, len(joining))
         if self._controller.joining[1]:  # some rank adds parameters: every rank checks, then all add
             self._join(joining)
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_delays()
         self._launched.clear()
         self._synchronized = True
 
@@ -355,7 +377,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         named = list(reversed(joining))  # roughly back-propagation order, as at construction
         for name, p in named:
             self._parameter_names[p] = name
-            self._allreduce_delay[p] = self.backward_passes_per_step
         self._register_hooks(named)
         ctl.add_params(named)
         self._profiler.add([_tensor_info(n, p) for n, p in named], {n: p.dtype for n, p in named})
@@ -464,7 +485,7 @@ def _set_dense_choice(planner: Planner, dense: "bool | str | None") -> None:
     if dense is None:
         return
     check_dense_choice(dense)
-    if hasattr(planner, "dense_choice"):
+    if planner.chooses_dense:
         planner.dense_choice = dense
     elif dense is True:
         raise ValueError(f"dense=True sends a sparse compressor's job dense, which fusion='safusion' can do; "
@@ -642,28 +663,24 @@ class SAFusionOptimizer:
 
 def _elastic_sync(opt) -> None:
     """After a Horovod elastic reset (and when training starts), on every worker: drop the step
-    that failed, take rank 0's fusion plan, generator state, step count and communicator state
+    that failed, take rank 0's fusion plan, profiler state, step count and communicator state
     (a joining worker has none), and profile again if the world size changed. Residuals stay
     with the worker that holds them, so none is duplicated; those of a worker that died are lost
     with it, as its gradient of the failed step."""
-    ctl, gen, ps = opt._controller, opt._profiler, opt.process_set
-    opt._launched = {}
-    for p in opt._allreduce_delay:
-        opt._allreduce_delay[p] = opt.backward_passes_per_step
-    ctl.abandon_step()
-    gen.drop_step(ctl)
-    rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "generator": gen.state_dict(), "steps": ctl.steps,
+    ctl, profiler, ps = opt._controller, opt._profiler, opt.process_set
+    opt._reset_step()
+    rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "profiler": profiler.state_dict(), "steps": ctl.steps,
                                   "world_size": opt._world_size, "communicator": ctl.communicator.state_dict(),
                                   "session": session.number()},
                                  root_rank=0, name="saf.elastic.sync", process_set=ps)
     session.begin(rank0["session"])  # collectives of the failed session may linger in Horovod's queue
     ctl.communicator.load_state_dict(rank0["communicator"])
     ctl.communicator.setup(ctl.compressor)
-    gen.load_state_dict(rank0["generator"])
+    profiler.load_state_dict(rank0["profiler"])
     ctl.steps = rank0["steps"]
     ctl.switch_plan(FusionPlan.from_json(rank0["plan"]))
     if rank0["world_size"] != ps.size():
-        gen.restart()
+        profiler.restart()
     opt._world_size = ps.size()
     opt._awaiting_sync = False
 
@@ -690,78 +707,25 @@ def _loss_scale(scaler: Any):
 
 
 def _safusion_state(opt, all_ranks: bool) -> dict:
-    """What ``state_dict()`` adds: per rank (this one, or all with ``all_ranks``) the residuals and
-    the compressor's and communicator's state; for the job, the plan, the generator and the step."""
-    ctl, gen = opt._controller, opt._profiler
-    size, rank = opt.process_set.size(), opt.process_set.rank()
-    local = {"residuals": ctl.residuals.state_dict(), "compressor": ctl.compressor.state_dict(),
-             "communicator": ctl.communicator.state_dict(),
-             "momenta": ctl.momentum.state_dict() if ctl.momentum is not None else {}}
+    """What ``state_dict()`` adds: per rank (this one, or all with ``all_ranks``) the controller's
+    rank state (residuals, momenta, compressor and communicator state); for the job, the
+    controller's state (step, loss scale, plan) and the profiler's."""
+    ps = opt.process_set
+    size, rank = ps.size(), ps.rank()
+    local = opt._controller.rank_state()
     if all_ranks and size > 1:
-        per_rank = dict(enumerate(checkpoint.gather(local, "saf.state_dict", opt.process_set)))
+        per_rank = dict(enumerate(checkpoint.gather(local, "saf.state_dict", ps)))
     else:
         per_rank = {rank: local}
-    return {
-        "format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
-        "ranks": per_rank, "steps": ctl.steps, "loss_scale": ctl._residual_scale,
-        "compressor": type(ctl.compressor).__name__, "density": ctl.target_density,
-        "communicator": type(ctl.communicator).__name__,
-        "plan": ctl.plan.to_json(), "generator": gen.state_dict(),
-    }
+    return {"format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
+            "ranks": per_rank, **opt._controller.state_dict(), "profiler": opt._profiler.state_dict()}
 
 
 def _load_safusion_state(opt, saved: dict) -> None:
-    ctl, gen = opt._controller, opt._profiler
-    size, rank = opt.process_set.size(), opt.process_set.rank()
-    old_size, per_rank = int(saved["world_size"]), saved["ranks"]
-    # this rank's own state where the checkpoint has it, else that of the rank it takes over from
-    source = per_rank.get(rank if old_size == size else rank % old_size) or next(iter(per_rank.values()))
-    if saved["compressor"] != type(ctl.compressor).__name__ or saved["density"] != ctl.target_density:
-        warnings.warn(f"the checkpoint was saved with compressor {saved['compressor']} at density "
-                      f"{saved['density']}; this optimizer uses {type(ctl.compressor).__name__} at density "
-                      f"{ctl.target_density}: error-feedback residuals and compressor state start empty")
-        ctl.residuals.load_state_dict({})
-    else:
-        ctl.compressor.load_state_dict(source["compressor"])
-        _load_residuals(opt, {r: v["residuals"] for r, v in per_rank.items()}, old_size,
-                        bool(saved["all_ranks"]), size, rank)
-        ctl._residual_scale = saved["loss_scale"]
-        if ctl.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
-            ctl.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in ctl.params.items()})
-    if saved["communicator"] == type(ctl.communicator).__name__ and old_size == size:
-        ctl.communicator.load_state_dict(source["communicator"])
-    ctl.steps = int(saved["steps"])
-    gen.drop_step(ctl)
-    gen.load_state_dict(saved["generator"])
-    plan = FusionPlan.from_json(saved["plan"])
-    if old_size == size and set(plan.names) == set(ctl.params):
-        ctl.set_plan(plan)
-    else:  # other costs (world size) or other parameters: profile again, from the plan in use
-        ctl.gather()
-        gen.restart()
-
-
-def _load_residuals(opt, per_rank: dict, old_size: int, gathered: bool, size: int, rank: int) -> None:
-    ctl = opt._controller
-    if old_size != size and gathered:
-        mine = checkpoint.redistribute(per_rank, old_size, size, rank)
-    elif rank in per_rank and old_size == size:
-        mine = per_rank[rank]
-    else:
-        held = sorted(r for r, res in per_rank.items() if res)
-        if held:
-            warnings.warn(f"the checkpoint holds the error-feedback residuals of rank(s) {held} of a job of "
-                          f"{old_size}, not those of rank {rank} of this job of {size}: rank {rank} keeps its "
-                          "own (none in a fresh process). Save with optimizer.state_dict(all_ranks=True) on "
-                          "every rank to keep every rank's unsent gradient")
-        return
-    for name, r in mine.items():
-        p = ctl.params.get(name)
-        if p is None:
-            raise ValueError(f"the checkpoint holds a residual for {name!r}, which is not a trainable "
-                             f"parameter of this optimizer; parameters: {sorted(ctl.params)[:8]}...")
-        if r.numel() != p.numel():
-            raise ValueError(f"the checkpoint's residual for {name!r} has {r.numel()} elements; the "
-                             f"parameter has {p.numel()} (shape {tuple(p.shape)})")
-    ctl.residuals.load_state_dict({n: r.to(device=ctl.params[n].device, dtype=ctl.params[n].dtype)
-                                   for n, r in mine.items()})
+    """Load what :func:`_safusion_state` saved (the profiler's state is ``"generator"`` in
+    checkpoints of version 0.1.0)."""
+    plan_taken = opt._controller.load_state_dict(saved, saved["ranks"], int(saved["world_size"]),
+                                                 bool(saved["all_ranks"]))
+    opt._profiler.load_state_dict(saved["profiler"] if "profiler" in saved else saved["generator"])
+    if not plan_taken:  # other costs (world size) or other parameters: profile again, from the plan in use
+        opt._profiler.restart()

@@ -166,7 +166,7 @@ def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
 
     ps = process_set if process_set is not None else hvd.global_process_set
     mine = torch.tensor(list(bytes.fromhex(plan.digest())), dtype=torch.uint8)
-    digests = hvd.allgather(mine, name=collective("safusion.plan.digest"), process_set=ps).view(-1, 32)
+    digests = hvd.allgather(mine, name=collective("saf.plan.digest"), process_set=ps).view(-1, 32)
     differs = [i for i in range(len(digests)) if not torch.equal(digests[i], digests[0])]
     if not differs:
         return
@@ -174,8 +174,8 @@ def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
     # and vice versa; both plans travel once.
     ranks = list(ps.ranks) if getattr(ps, "ranks", None) else list(range(len(digests)))
     me = ranks.index(hvd.rank())
-    first = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[0], name=collective("safusion.plan.a"), process_set=ps)
-    other = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[differs[0]], name=collective("safusion.plan.b"),
+    first = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[0], name=collective("saf.plan.a"), process_set=ps)
+    other = hvd.broadcast_object(plan.to_dict(), root_rank=ranks[differs[0]], name=collective("saf.plan.b"),
                                  process_set=ps)
     versus, reference = (ranks[differs[0]], other) if me not in differs else (ranks[0], first)
     diff = plan.first_difference(FusionPlan.from_dict(reference))

@@ -1,6 +1,6 @@
 """Online profiling and re-planning: the generator's loop of SAFusion §4 (Figure 12).
 
-The optimizer starts on a provisional plan (one buffer per tensor). After ``warmup_steps`` it
+The optimizer starts on a provisional plan (one buffer per tensor). After ``settle_steps`` it
 profiles ``profile_steps`` iterations: a :class:`ProfiledStep` watches the controller
 (:mod:`horovod_safusion.observer`) and records when each gradient arrived and how long the plugin
 worked in its hook (copy into the buffer, compression), so back-propagation's own pace can be
@@ -85,29 +85,29 @@ class OnlineProfiler:
         dtypes: each tensor's dtype (for the bytes a selected element takes on the wire).
         process_set: the ranks that profile and switch together.
         profile_steps: K, iterations measured per profile. More average out noise.
-        warmup_steps: iterations skipped before profiling (caches, allocator, Horovod's warm-up).
+        settle_steps: iterations skipped before profiling (caches, allocator, Horovod's warm-up).
         replan_every: re-profile and re-plan every this many steps; ``None`` plans once.
     """
 
     def __init__(self, planner: Planner, tensors: Sequence[TensorInfo], dtypes: dict[str, torch.dtype],
-                 process_set: Any, profile_steps: int = 10, warmup_steps: int = 1,
+                 process_set: Any, profile_steps: int = 10, settle_steps: int = 1,
                  replan_every: int | None = None) -> None:
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps!r}")
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (the first step has no previous step end), "
-                             f"got {warmup_steps!r}")
+        if settle_steps < 1:
+            raise ValueError(f"settle_steps must be >= 1 (the first step has no previous step end), "
+                             f"got {settle_steps!r}")
         if replan_every is not None and replan_every <= profile_steps:
             raise ValueError(f"replan_every must be larger than profile_steps={profile_steps}, "
                              f"got {replan_every!r}")
         self.planner = planner
         self.tensors, self.dtypes, self.process_set = list(tensors), dict(dtypes), process_set
         self.profile_steps = profile_steps
-        self.warmup_steps = warmup_steps
+        self.settle_steps = settle_steps
         self.replan_every = replan_every
-        self.profile: Profile | None = getattr(planner, "profile", None)
+        self.profile: Profile | None = planner.profile
         self.steps = 0
-        self._record_from = warmup_steps
+        self._record_from = settle_steps
         self._samples: list[dict] = []
         self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
         self.trial: trial.DenseTrial | None = None  # sparse against dense, measured
@@ -129,12 +129,12 @@ class OnlineProfiler:
         return FusionPlan([[t.name] for t in self.tensors], order=self.planner.order, planner="provisional")
 
     def restart(self) -> None:
-        """Profile again from the next step on (after ``warmup_steps``), on the current plan: after
+        """Profile again from the next step on (after ``settle_steps``), on the current plan: after
         a change of world size, whose costs differ. Every rank must restart at the same step."""
         if not self.planner.needs_profile:
             return
         self.profile, self._samples = None, []
-        self._record_from = self.steps + self.warmup_steps
+        self._record_from = self.steps + self.settle_steps
 
     def add(self, tensors: Sequence[TensorInfo], dtypes: dict[str, torch.dtype]) -> None:
         """Tensors that joined the job (the controller appended them to its plan): planned from now
@@ -163,7 +163,7 @@ class OnlineProfiler:
         # a profile under way starts again at the next step
         self._record_from = None if record_from is None else max(int(record_from), self.steps)
 
-    def drop_step(self, controller: Controller) -> None:
+    def reset_step(self, controller: Controller) -> None:
         """Forget the step being profiled, if any (a step abandoned, a state loaded)."""
         if self._watching is not None:
             controller.unobserve(self._watching)
@@ -178,7 +178,7 @@ class OnlineProfiler:
         now = clock.mark()
         if self._watching is not None:
             self._samples.append(self._watching.resolve(now))
-            self.drop_step(controller)
+            self.reset_step(controller)
         self.steps += 1
         # (not after a resume, and not while the density warms up: those steps do not time the plan)
         if self.trial is not None and not self.trial.done and self._last_end is not None \
@@ -210,27 +210,27 @@ class OnlineProfiler:
         suffix = float(np.median([x["suffix"] for x in s]))
         dtype = self.dtypes[max(tensors, key=lambda t: t.numel).name]  # the sweeps' data
         device = controller.device
-        comp = sweeps.planned_compressor(controller.compressor, controller.target_density)
+        comp = controller.compressor
         comm = controller.communicator
         numels = [t.numel for t in tensors]
         source = sweeps.sweep_source([b.flat for b in controller.buffers], max(numels), dtype, device)
-        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source)
+        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source, controller.target_density)
         del source
         cm_bytes, cm_secs = sweeps.communication_sweep(comm, tensors, controller.target_density, dtype, device)
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
-        priced = (getattr(self.planner, "prices_dense", False) and not comp.dense
+        priced = (self.planner.prices_dense and not comp.dense
                   and not comm.dense and process_set.size() > 1)
         dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
                                    if priced else ([], []))
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
-        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "safusion.profile.max",
+        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "saf.profile.max",
                              process_set)
-        fastest = _allreduce(cm_secs + dense_secs, hvd.Min, "safusion.profile.min", process_set)
+        fastest = _allreduce(cm_secs + dense_secs, hvd.Min, "saf.profile.min", process_set)
         cm_secs, dense_secs = fastest[:len(cm_secs)], fastest[len(cm_secs):]
         # what a rank sends depends on its data in some protocols (ZEN's hash partitions): the
         # curve's sizes must be the same on every rank, or so would not be the plans
-        cm_bytes = _allreduce(cm_bytes, hvd.Max, "safusion.profile.bytes", process_set)
+        cm_bytes = _allreduce(cm_bytes, hvd.Max, "saf.profile.bytes", process_set)
         L, C = len(names), len(cp_secs)
         ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
 

@@ -30,32 +30,23 @@ SWEEP_POINTS = 12
 DENSE_SWEEP_BYTES = 4 << 20
 
 
-def planned_compressor(compressor: Compressor, target_density: float) -> Compressor:
-    """The job's compressor at the density the plan is for (a copy during a density warm-up, whose
-    steps select more): plans are made for the steady state."""
-    if compressor.dense or compressor.density == target_density:
-        return compressor
-    compressor = copy.deepcopy(compressor)
-    compressor.density = target_density
-    return compressor
-
-
 def sizes(lo: int, hi: int) -> list[int]:
     """:data:`SWEEP_POINTS` sizes spaced geometrically from ``lo`` to ``hi`` (fewer where they round alike)."""
     return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
 
 
-def time_compression(compressor: Compressor, source: torch.Tensor, seg_sizes: Sequence[int], steps: int = 10) -> float:
-    """Mean seconds of one selection of a buffer cut into ``seg_sizes``, made on the first elements
-    of ``source`` (a flat tensor, e.g. a fusion buffer's residuals) and undone after each one, so
-    ``source`` ends as it was; on a copy of ``compressor``, so that the caller's state is
-    untouched."""
+def time_compression(compressor: Compressor, source: torch.Tensor, seg_sizes: Sequence[int],
+                     density: float | None = None, steps: int = 10) -> float:
+    """Mean seconds of one selection at ``density`` (default: the compressor's) of a buffer cut
+    into ``seg_sizes``, made on the first elements of ``source`` (a flat tensor, e.g. a fusion
+    buffer's residuals) and undone after each one, so ``source`` ends as it was; on a copy of
+    ``compressor``, so that the caller's state is untouched."""
     comp = copy.deepcopy(compressor)
     seg = Segments(tuple(f"sweep.{i}" for i in range(len(seg_sizes))), tuple(seg_sizes), source.device)
     flat = source[:seg.numel]
 
     def select(step: int) -> None:
-        values, indices = sparsify(comp, flat, seg, step)
+        values, indices = sparsify(comp, flat, seg, step, density)
         if indices is not None:
             flat.index_copy_(0, indices, values)  # the selection undone: bit for bit
 
@@ -79,10 +70,12 @@ def sweep_source(flats: Sequence[torch.Tensor | None], numel: int, dtype: torch.
     return torch.randn(numel, dtype=dtype, device=device)
 
 
-def compression_sweep(compressor: Compressor, numels: Sequence[int], source: torch.Tensor
-                      ) -> tuple[list[int], list[float], float]:
-    """Compression cost curve of ``compressor`` over the size range of ``numels``, timed on the
-    first elements of ``source`` (:func:`sweep_source`; at least ``max(numels)`` elements).
+def compression_sweep(compressor: Compressor, numels: Sequence[int], source: torch.Tensor,
+                      density: float | None = None) -> tuple[list[int], list[float], float]:
+    """Compression cost curve of ``compressor`` at ``density`` (default: the compressor's; plans
+    are made for the steady state, not for a warm-up's denser steps) over the size range of
+    ``numels``, timed on the first elements of ``source`` (:func:`sweep_source`; at least
+    ``max(numels)`` elements).
 
     Returns the swept dense sizes in bytes, the seconds to compress a one-segment buffer of each,
     and the extra seconds per additional segment (a buffer cut into 16 segments against one),
@@ -93,10 +86,10 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
     element = source.element_size()
     if compressor.dense:
         return [n * element for n in swept], [0.0] * len(swept), 0.0
-    seconds = [time_compression(compressor, source, (n,)) for n in swept]
+    seconds = [time_compression(compressor, source, (n,), density) for n in swept]
     n = min(max(16, int(np.median(numels)) * 16), source.numel())
-    per_segment = max(0.0, (time_compression(compressor, source, (n // 16,) * 16)
-                            - time_compression(compressor, source, (n // 16 * 16,))) / 15)
+    per_segment = max(0.0, (time_compression(compressor, source, (n // 16,) * 16, density)
+                            - time_compression(compressor, source, (n // 16 * 16,), density)) / 15)
     return [n * element for n in swept], seconds, per_segment
 
 
@@ -143,7 +136,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
             sent, ctx = compression.compress(dense)
-            wait(hvd.allreduce_async_(sent, name=collective(f"safusion.sweep.dense.{j}"), op=hvd.Sum, process_set=process_set))
+            wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.dense.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
             if r:
                 times.append(clock.seconds(a, clock.mark()))

@@ -97,7 +97,7 @@ class DenseTrial:
         """Whether the first plan measured faster than the other was predicted (then it stays)."""
         first = float(np.median(self.blocks[0]))
         first = hvd.allreduce(torch.tensor([first], dtype=torch.float64), op=hvd.Max,
-                              name=collective("safusion.choice.confirm"), process_set=process_set).item()
+                              name=collective("saf.choice.confirm"), process_set=process_set).item()
         if first >= self.confirm_below:
             announce(f"{describe(self.plans[0])} measured {first:.3f} s/iteration, more than the "
                      f"{self.confirm_below:.3f} s predicted for {describe(self.plans[1])}: measuring both")
@@ -108,7 +108,7 @@ class DenseTrial:
     def _decide(self, process_set: Any) -> FusionPlan | None:
         per_plan = [float(np.mean([np.median(b) for b, k in zip(self.blocks, SCHEDULE) if k == i])) for i in (0, 1)]
         medians = hvd.allreduce(torch.tensor(per_plan, dtype=torch.float64), op=hvd.Max,
-                                name=collective("safusion.choice.measured"), process_set=process_set)
+                                name=collective("saf.choice.measured"), process_set=process_set)
         self.measured = medians.tolist()
         self._block = None
         winner = int(np.argmin(self.measured))

@@ -144,20 +144,20 @@ class _SparDLRun:
         numel = out.numel
         self.world, rank = ps.size(), ps.rank()
         self.d = comm.teams
-        self.size = self.world // self.d  # workers per team: SRS and the final all-gather run here
-        self.team, self.me = divmod(rank, self.size)
-        self.team_ranks = [self.team * self.size + j for j in range(self.size)]
-        self.cross_ranks = [t * self.size + self.me for t in range(self.d)]  # same position, every team
+        self.team_size = self.world // self.d  # workers per team: SRS and the final all-gather run here
+        self.team, self.me = divmod(rank, self.team_size)
+        self.team_ranks = [self.team * self.team_size + j for j in range(self.team_size)]
+        self.cross_ranks = [t * self.team_size + self.me for t in range(self.d)]  # same position, every team
         self.dtype, self.device = out.dtype, out.device
         self.codec = RowCodec(self.dtype, comm.compression)
         # The held values (prescaled) and what this worker dropped (its share, prescaled).
         self.held = SparseSum(out.indices, reduction.prescaled(out.values))
         self.dropped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.bounds = block_bounds(numel, self.size)
+        self.bounds = block_bounds(numel, self.team_size)
         self.count = count = out.indices.numel()
         self.budget = [min(hi - lo, math.ceil(count * (hi - lo) / numel)) if numel else 0
                        for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
-        self.steps = srs_steps(self.size)
+        self.steps = srs_steps(self.team_size)
         self.bytes_sent = 0
         self.bytes_received = 0
         self._exchange = self._send_step(0) if self.steps else None
@@ -190,10 +190,10 @@ class _SparDLRun:
 
     def _send_step(self, i: int) -> Exchange:
         dist, first, stop = self.steps[i]
-        blocks = [(self.me + rel) % self.size for rel in range(first, stop)]
+        blocks = [(self.me + rel) % self.team_size for rel in range(first, stop)]
         for j in blocks:  # sparsify only the blocks sent next (SparDL §3.1, "Optimization for SRS")
             self._keep_top(j, self.budget[j])
-        parts = send_to(self._take(blocks), self.team_ranks[(self.me + dist) % self.size], self.world,
+        parts = send_to(self._take(blocks), self.team_ranks[(self.me + dist) % self.team_size], self.world,
                         self.codec.empty(self.device))
         ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.srs{i}"), self.ps)
         self.bytes_sent += ex.bytes_sent
@@ -288,20 +288,20 @@ class _SparDLRun:
     # ---- Bruck all-gather ---------------------------------------------------------------------
     def _bruck(self, own: torch.Tensor) -> list[torch.Tensor]:
         collected = [own]  # blocks me, me + 1, ... in order
-        for t, (dist, blocks) in enumerate(bruck_steps(self.size)):
+        for t, (dist, blocks) in enumerate(bruck_steps(self.team_size)):
             rows = torch.cat(collected[:blocks])
-            parts = send_to(rows, self.team_ranks[(self.me - dist) % self.size], self.world, self.codec.empty(self.device))
+            parts = send_to(rows, self.team_ranks[(self.me - dist) % self.team_size], self.world, self.codec.empty(self.device))
             ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.bruck{t}"), self.ps)
             self.bytes_sent += ex.bytes_sent
-            got = self._receive(ex)[self.team_ranks[(self.me + dist) % self.size]]
-            collected.extend(self._split_blocks(got, (self.me + dist) % self.size, blocks))
+            got = self._receive(ex)[self.team_ranks[(self.me + dist) % self.team_size]]
+            collected.extend(self._split_blocks(got, (self.me + dist) % self.team_size, blocks))
         return collected
 
     def _split_blocks(self, rows: torch.Tensor, first: int, blocks: int) -> list[torch.Tensor]:
         """Rows of ``blocks`` consecutive blocks starting at ``first`` → one row tensor per block."""
         _, indices = self.codec.decode(rows)
         owner = torch.bucketize(indices, torch.tensor(self.bounds[1:], device=self.device), right=True)
-        rel = (owner - first) % self.size
+        rel = (owner - first) % self.team_size
         order = torch.argsort(rel, stable=True)
         counts = torch.bincount(rel, minlength=blocks)[:blocks].tolist()
         return list(torch.split(rows[order], counts))

@@ -6,7 +6,7 @@ split into Compressor / Memory / Communicator. New compressors register by decor
 
     @register_compressor("mine")
     class Mine(Compressor):
-        def select(self, flat, segments, step): ...
+        def select_at(self, flat, segments, step, density): ...
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ class Compressor(Stateful, ABC):
     """Selects elements of a flat buffer, per segment.
 
     Attributes:
-        density: target fraction of elements selected per segment (0 < density <= 1).
+        density: the configured fraction of elements selected per segment (0 < density <= 1);
+            the runtime passes each step's density (a warm-up's may be higher) to :meth:`select`
+            and :meth:`propose`, and nobody writes this one.
         dense: ``True`` for compressors that always keep every element; the controller then
             skips selection and the default communicator becomes a dense allreduce.
         state_fields: the attributes that change from step to step (thresholds, generators):
@@ -50,23 +52,35 @@ class Compressor(Stateful, ABC):
     def __init__(self, density: float = 0.01) -> None:
         self.density = check_density(density)
 
-    @abstractmethod
-    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
+    def density_of_step(self, density: float | None) -> float:
+        """The density a selection runs at: the step's, or :attr:`density` where none is given."""
+        return self.density if density is None else density
+
+    def select(self, flat: torch.Tensor, segments: Segments, step: int,
+               density: float | None = None) -> torch.Tensor | None:
         """Return buffer-relative int64 indices of the elements to send (``None`` means all).
 
         ``flat`` is the error-compensated gradient (gradient + residual) of one fusion buffer;
-        ``step`` counts synchronisations, for compressors that re-estimate periodically.
-        Indices must be unique; within a segment their order is free.
+        ``step`` counts synchronisations, for compressors that re-estimate periodically;
+        ``density`` is the step's (:meth:`density_of_step`): at 1 every element is sent, below
+        :meth:`select_at` selects.
         """
+        density = self.density_of_step(density)
+        return None if density >= 1.0 else self.select_at(flat, segments, step, density)
 
-    def propose(self, flat: torch.Tensor, segments: Segments, step: int,
+    @abstractmethod
+    def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> torch.Tensor | None:
+        """The selection at ``density < 1`` (see :meth:`select`). Indices must be unique; within a
+        segment their order is free."""
+
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int, density: float | None = None,
                 stats: SegmentStats | None = None) -> Proposal:
         """The device path's selection (:mod:`~horovod_safusion.compressors.device`): decided on
         ``flat``'s device, taken after one host read; ``stats`` are the segments' statistics if
         they were taken while the buffer was filled. The default wraps :meth:`select`, which must
         then read nothing back from the device (top-k and random-k do not)."""
         from .device import Proposal
-        return Proposal.of_indices(flat, self.select(flat, segments, step))
+        return Proposal.of_indices(flat, self.select(flat, segments, step, density))
 
     def feedback(self, segments: Segments, feedback: int) -> None:
         """What the job's synchronisation of the buffer whose selection segments are ``segments``
@@ -98,15 +112,15 @@ def make_compressor(spec: "str | Compressor", density: float | None) -> Compress
     return cls() if density is None else cls(density=density)
 
 
-def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments,
-             step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sparsify(compressor: Compressor, flat: torch.Tensor, segments: Segments, step: int,
+             density: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select from ``flat`` and leave the unselected rest in it (it becomes the residual):
     SAFusion §3.1 Step 1, on the host path.
 
     Returns ``(values, indices)``; ``indices`` is ``None`` when everything is sent, and then
     ``values`` is ``flat`` itself.
     """
-    indices = None if compressor.dense else compressor.select(flat, segments, step)
+    indices = None if compressor.dense else compressor.select(flat, segments, step, density)
     if indices is None:
         return flat, None
     values = flat[indices]

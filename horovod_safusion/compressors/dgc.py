@@ -73,7 +73,7 @@ class DGC(PeriodicThreshold):
             m = samples[sampled]
             u = torch.rand(int(m.sum()), generator=self._gen, dtype=torch.float64).numpy()
             idx = np.repeat(view.offsets[which[sampled]], m) + (u * np.repeat(n[sampled], m)).astype(np.int64)
-            out[sampled] = view.kth_largest_at(idx, m, np.ceil(self.density * m).astype(np.int64))
+            out[sampled] = view.kth_largest_at(idx, m, np.ceil(view.density * m).astype(np.int64))
         return out
 
     def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
@@ -82,7 +82,7 @@ class DGC(PeriodicThreshold):
         n = view.segments.size_array
         m = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64), self.min_samples))
         exact = m >= n
-        ks = np.where(exact, view.k_host, np.ceil(self.density * m).astype(np.int64))
+        ks = np.where(exact, view.k_host, np.ceil(view.density * m).astype(np.int64))
         positions = np.repeat(view.segments.offset_array, m) + np.arange(int(m.sum()), dtype=np.int64) \
             - np.repeat(np.cumsum(m) - m, m)  # exact segments: all their elements
         sampled = np.flatnonzero(np.repeat(~exact, m))

@@ -15,9 +15,8 @@ iterations. A segment's first threshold is its exact k-th largest magnitude. ExD
 one threshold over the whole gradient, so its Algorithm 1 (line 14) scales by totals; here every
 segment (every tensor under ``ahead``) has a threshold of its own, and each is scaled by its own
 ``k′/k`` — with one segment per buffer (``behind``) that is the paper's rule. (Scaled together by
-the buffer's totals, thresholds drifted apart unseen: on the digits CNN at density 0.01 with 3
-workers the total was on target, 0.0102, while the largest tensor sent 0.0001 of its elements and
-small ones 7–14 %.)
+the buffer's totals, thresholds drifted apart unseen: the buffer's total stayed on target while
+its largest tensor sent almost nothing and its small ones many times their share.)
 
 With ``relative=True`` (the default, our addition) δ is kept in units of the segment's current mean
 magnitude: the threshold applied is ``δ · mean|x|``. The gradient's scale changes from one
@@ -52,8 +51,9 @@ class ExDyna(ThresholdCompressor):
         gamma: γ in (0, 1), the scaling step. Smaller settles more finely and more slowly. The
             paper gives no value, only that the threshold must be "fine-tuned"; with error feedback
             a coarse step feeds back on itself (a threshold raised after an overshoot leaves more in
-            the residuals, which overshoot again): on ResNet-18's real gradients at density 0.001
-            γ = 0.1 selected 1.4x the per-tensor target counts on average, 0.05 1.12x, 0.01 1.03x.
+            the residuals, which overshoot again), so a coarse γ overshoots the per-tensor target
+            counts and a fine one settles close to them (``benchmarks/bench_compressors.py``
+            reports the density each achieves on real gradients).
         relative: keep δ in units of the segment's mean magnitude (see above).
     """
 

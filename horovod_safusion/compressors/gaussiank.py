@@ -13,13 +13,9 @@ filters the segment's selection, a lowered one compares the segment anew.
 
 Under error feedback this is the algorithm's weak point, not a defect of this code: the buffer
 holds gradient *plus residual*, whose distribution drifts far from a Gaussian as residuals build
-up and are sent. With real ResNet-18 gradients over 40 steps the selected count swung between
-0.15× and 5.7× the target at density 0.01 and fell to 0.01–0.03× at 0.001. On the digits CNN
-with 3 workers the largest tensor sent 0.0002 of its elements against 0.01. Neither fix we tried
-held on both models:
-* remembering each tensor's correction from step to step lifted that tensor to 0.006, but
-  overshot ResNet-18 by about 4× on average;
-* 8 correction passes instead of 3 also overshot by about 3×.
+up and are sent, so the selected count swings far from the target, most at low densities
+(``benchmarks/bench_compressors.py`` reports the achieved density on real gradients). Carrying a
+tensor's correction from step to step, or more correction passes, overshoots on other tensors.
 Use ``dgc`` or ``topk`` where the density must hold.
 """
 from __future__ import annotations
@@ -55,7 +51,7 @@ class GaussianK(ThresholdCompressor):
         mu, second = view.means(signed=True), view.means(signed=True, squares=True)
         sigma = np.sqrt(np.maximum(second - mu * mu, 0))
         # from the density of this step (a density warm-up changes it between steps)
-        return np.abs(mu) + sigma * float(ndtri(1.0 - self.density / 2.0))
+        return np.abs(mu) + sigma * float(ndtri(1.0 - view.density / 2.0))
 
     def correction(self, view: SegmentView, step: int) -> Steps:
         return Steps(low=2 * view.k / 3, high=4 * view.k / 3, up=self.step_up, down=self.step_down,
@@ -68,7 +64,7 @@ class GaussianK(ThresholdCompressor):
         s1, s2 = reference.moments(view.flat, view.table)
         mu = s1 / view.sizes
         sigma = torch.sqrt(torch.clamp(s2 / view.sizes - mu * mu, min=0.0))
-        u = torch.abs(mu) + sigma * float(ndtri(1.0 - self.density / 2.0))
+        u = torch.abs(mu) + sigma * float(ndtri(1.0 - view.density / 2.0))
         low, high = 2 * view.k / 3, 4 * view.k / 3
         for _ in range(self.refine_passes):
             counts = view.counts(u)

@@ -22,5 +22,5 @@ class NoneCompressor(Compressor):
             raise ValueError(f"compressor 'none' sends every element, so density={density!r} cannot "
                              "apply; leave density unset or 1.0, or choose a sparsifying compressor")
 
-    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> None:
+    def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> None:
         return None

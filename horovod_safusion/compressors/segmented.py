@@ -35,6 +35,7 @@ buffer:
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numba
@@ -281,20 +282,28 @@ def _select_stepped(x, offsets, sizes, start, top, low, high, up, down, passes, 
     return out, n
 
 
+
+class Reselection(enum.IntEnum):
+    """What :meth:`NumbaKernels.reselect` does with a segment's current selection."""
+
+    KEPT = 0      # keep it as it is
+    FILTERED = 1  # a raised threshold: keep the subset with |x| >= the new threshold
+    COMPARED = 2  # compare the whole segment anew
+
 @_jit
 def _reselect(x, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pragma: no cover
     n = pos = 0
     for s in range(offsets.size):
         first, t, c = n, thr[s], counts[s]
-        if mode[s] == 0:  # kept
+        if mode[s] == Reselection.KEPT:
             for j in range(pos, pos + c):
                 if n == out.size:
                     out = _grow(out, n)
                 out[n] = idx[j]
                 n += 1
-        elif mode[s] == 1:  # a raised threshold: a subset of the current selection
+        elif mode[s] == Reselection.FILTERED:
             out, n = _keep(x, idx, pos, pos + c, t, out, n)
-        elif t < np.inf:  # compared anew
+        elif t < np.inf:  # Reselection.COMPARED
             out, n = _compare(x, offsets[s], sizes[s], t, out, n)
         new_counts[s] = n - first
         pos += c
@@ -502,8 +511,8 @@ class NumbaKernels:
     def reselect(self, x: np.ndarray, idx: np.ndarray, counts: np.ndarray, mode: np.ndarray, thr: np.ndarray,
                  scratch: IndexScratch, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The selection ``idx`` (ascending, in runs of ``counts``; not in slot ``slot``) with
-        segment ``s`` kept (``mode[s] == 0``), filtered to ``|x| >= thr[s]`` (1) or compared anew
-        (2)."""
+        segment ``s`` kept, filtered to ``|x| >= thr[s]`` or compared anew, as ``mode[s]`` (a
+        :class:`Reselection`) says."""
         new_counts = np.empty_like(counts)
         out, n = _reselect(x, self.offsets, self.sizes, idx, counts, mode, thr, scratch.get(slot, idx.size),
                            new_counts)

@@ -120,12 +120,12 @@ class SIDCo(PeriodicThreshold):
         every stage one pass over those segments for all of them.
 
         SIDCo adapts the number of stages when the selected ratio misses the target. On real
-        gradients each further stage selects *fewer* elements: on a ResNet-18 gradient at density
-        0.01, 1 / 2 / 3 exponential stages selected 7.3x / 0.77x / 0.47x of k on the largest
-        tensors, so a segment that selects far too few gets fewer stages, and one that then
-        selects too many is trimmed by the hierarchical selection."""
+        gradients each further stage selects *fewer* elements (on the largest tensors, one
+        exponential stage selects several times k, three well under k), so a segment that selects
+        far too few gets fewer stages, and one that then selects too many is trimmed by the
+        hierarchical selection."""
         stages = np.maximum(1, self.stages - effort)
-        p = self.density ** (1.0 / stages)
+        p = view.density ** (1.0 / stages)
         eta = np.zeros(len(which))
         _, m, v = view.exceedance_moments(which, eta, inclusive=True)  # stage 1 fits all of |x|
         going = np.arange(len(which))
@@ -144,7 +144,7 @@ class SIDCo(PeriodicThreshold):
         stops early, as on the host); corrections are the device path's passes."""
         a = view.flat.abs()
         eta = torch.zeros_like(view.max)
-        p = torch.full_like(eta, self.density ** (1.0 / self.stages))
+        p = torch.full_like(eta, view.density ** (1.0 / self.stages))
         going = torch.ones_like(eta, dtype=torch.bool)
         count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=True)
         for stage in range(self.stages):

@@ -31,7 +31,7 @@ import torch
 from ..segment import Segments
 from .base import Compressor
 from .device import DeviceView, Proposal, SegmentStats, on_host
-from .segmented import Band, IndexScratch, NumbaKernels, Steps
+from .segmented import Band, IndexScratch, NumbaKernels, Reselection, Steps
 from .state import PerSegment
 
 #: A raised threshold filters the segment's current selection (a gather per selected element)
@@ -68,6 +68,7 @@ class SegmentView:
         self._dtype = flat.dtype  # thresholds are rounded to it, so that every backend compares alike
         self.max, self._abs_sum = self._kernels.abs_stats(self._x)  # max: exact values of the dtype
         self.live = self.max > 0
+        self.density = density  # the step's
         self.k = segments.k_array(density)  # target count per segment
         self._scratch = scratch or IndexScratch()
         self._scratch.reserve(2 * int(self.k.sum()) + len(self.k))  # a selection ends in a band about k
@@ -113,10 +114,10 @@ class SegmentView:
             self._applied = thr
             return
         which = np.asarray(which, dtype=np.int64)
-        mode = np.zeros(len(thr), dtype=np.int8)
-        mode[which] = 2  # compared anew, unless a subset of a small selection:
+        mode = np.full(len(thr), Reselection.KEPT, dtype=np.int8)
+        mode[which] = Reselection.COMPARED  # unless a subset of a small selection:
         mode[which[(thr[which] >= self._applied[which])
-                   & (self._counts[which] * FILTER_SHARE <= self.sizes[which])]] = 1
+                   & (self._counts[which] * FILTER_SHARE <= self.sizes[which])]] = Reselection.FILTERED
         self._indices, self._counts = self._kernels.reselect(self._x, self._indices, self._counts, mode,
                                                              thr, self._scratch, self._next_slot())
         self._applied[which] = thr[which]
@@ -168,24 +169,22 @@ class ThresholdCompressor(Compressor):
         super().__init__(density)
         self._scratch = IndexScratch()
 
-    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
-        if self.density >= 1.0:
-            return None
+    def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> torch.Tensor:
         if not on_host(flat):
-            proposal = self.propose(flat, segments, step)
+            proposal = self.propose(flat, segments, step, density)
             total, finite = proposal.read()
             if finite:
                 proposal.commit()
             return proposal.take(total, zero=False)[1]
-        view = SegmentView(flat, segments, self.density, self._scratch)
+        view = SegmentView(flat, segments, density, self._scratch)
         thr = self.thresholds(view, step)
         view.apply(thr, correction=self.correction(view, step))
         self.refine(view, thr, view.counts(), step)
         return view.indices()
 
-    def propose(self, flat: torch.Tensor, segments: Segments, step: int,
+    def propose(self, flat: torch.Tensor, segments: Segments, step: int, density: float | None = None,
                 stats: SegmentStats | None = None) -> Proposal:
-        return self.propose_on_device(DeviceView(flat, segments, self.density, stats), step)
+        return self.propose_on_device(DeviceView(flat, segments, self.density_of_step(density), stats), step)
 
     @abstractmethod
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
@@ -218,26 +217,24 @@ class PeriodicThreshold(ThresholdCompressor):
       k), the segment is compared again, up to three times, and what it then selects is trimmed to
       the k largest. Both corrections happen in the selection pass itself, while the segment is
       in cache (:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_within`):
-      reused per-tensor thresholds drift out of the band far more often than per-buffer ones (on
-      ResNet-18 w16 at density 0.01, in half of the buffer selections against 15 %), and
-      correcting them in passes of their own made selecting per tensor 15–20 % slower than per
-      buffer;
+      reused per-tensor thresholds drift out of the band far more often than per-buffer ones,
+      and correcting them in passes of their own made selecting per tensor markedly slower than
+      per buffer (``benchmarks/bench_compressors.py`` times both orders);
     * if fresh, or still too few after lowering, is estimated anew with its ``effort`` raised by
       one (what effort means is the subclass's: DGC samples more, SIDCo fits fewer stages), up to
       :attr:`max_effort`; a segment already at the maximum keeps its selection. The effort a
       segment needed is kept until its next periodic estimate (which starts from the base effort
       again): re-estimated at the base effort, a segment that fell short once falls short again
-      and pays a second pass. (Kept for good, DGC's density at 0.001 fell from 1.08x to 0.89x of
-      the target on ResNet-18: the base sample's rounding bias, ``⌈density · samples⌉``, is what
-      lifts it.) These segments are re-selected alone, at most ``refine_passes`` times a step.
+      and pays a second pass. (Kept for good, DGC falls short of low target densities: the base
+      sample's rounding bias, ``⌈density · samples⌉``, is what lifts it.) These segments are re-selected alone, at most ``refine_passes`` times a step.
 
     Error feedback makes the accumulated gradient grow while residuals build up, which is what
     moves reused thresholds (the ``± 1`` keeps segments with small ``k``, whose counts are noisy,
     from being corrected for a handful of elements). A threshold is kept in units of its segment's
     mean ``|x|``, measured anew every step (one reduction): the gradient's scale changes from one
     mini-batch to the next far more than its shape, and kept in absolute units, per-tensor
-    thresholds went stale within a step or two on real gradients (four times more re-estimations
-    on ResNet-18; the same reason as ExDyna's ``relative`` thresholds). Subclasses implement
+    thresholds went stale within a step or two on real gradients (the same reason as ExDyna's
+    ``relative`` thresholds). Subclasses implement
     :meth:`estimate` for a set of segments.
     """
 

@@ -44,14 +44,12 @@ class TopK(Compressor):
         super().__init__(density)
         self._scratch = IndexScratch()
 
-    def select(self, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor | None:
-        if self.density >= 1.0:
-            return None
+    def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> torch.Tensor:
         if on_host(flat):
             kernels = NumbaKernels(segments.offset_array, segments.size_array)
-            return kernels.to_indices(kernels.select_top(flat.numpy(), segments.k_array(self.density), self._scratch))
+            return kernels.to_indices(kernels.select_top(flat.numpy(), segments.k_array(density), self._scratch))
         parts = []
-        for n, k, offsets in _groups(segments, self.density):
+        for n, k, offsets in _groups(segments, density):
             if len(offsets) == 1:
                 parts.append(torch.topk(flat[offsets[0]:offsets[0] + n].abs(), k, sorted=False).indices + offsets[0])
             else:

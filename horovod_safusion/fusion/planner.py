@@ -27,6 +27,18 @@ class Planner(ABC):
     order: ClassVar[str] = "ahead"
     needs_profile: ClassVar[bool] = False
     dense: ClassVar[bool] = False
+    #: Whether the planner can plan a sparse compressor's job dense (``DistributedOptimizer(dense=)``,
+    #: which the optimizer then sets as :attr:`dense_choice`).
+    chooses_dense: ClassVar[bool] = False
+    #: ``"auto"`` (plan dense where the profile prices it faster), ``True`` or ``False``.
+    dense_choice: "bool | str" = False
+    #: A saved profile to plan from at once, instead of profiling the job online first.
+    profile: Profile | None = None
+
+    @property
+    def prices_dense(self) -> bool:
+        """Whether the online profile must price Horovod's dense allreduce for this planner."""
+        return self.dense_choice is not False
 
     @abstractmethod
     def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:

@@ -71,6 +71,7 @@ class SAFusionPlanner(Planner):
     """
 
     needs_profile = True
+    chooses_dense = True
 
     def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True,
                  dense: "bool | str" = "auto") -> None:
@@ -78,11 +79,6 @@ class SAFusionPlanner(Planner):
         self.long_tail = long_tail
         self.guard = guard
         self.dense_choice = check_dense_choice(dense)
-
-    @property
-    def prices_dense(self) -> bool:
-        """Whether the online profile must price Horovod's dense allreduce for this planner."""
-        return self.dense_choice is not False
 
     def plan(self, tensors: Sequence[TensorInfo], profile: Profile | None = None) -> FusionPlan:
         profile = profile if profile is not None else self.profile

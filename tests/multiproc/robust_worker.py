@@ -240,7 +240,7 @@ def amp_run(comp, scaler_kind):
     else:
         opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters(), compressor=comp,
                                        density=0.1, profile_steps=2, **kw, dense=False, min_selected=0)
-        assert not kw or opt._controller.loss_scale is not None
+        assert not kw or opt._controller.loss_scale.current is not None
     scales = []
     for step in range(15):
         opt.zero_grad()
@@ -373,7 +373,7 @@ def frozen_runs(labels):
             F.cross_entropy(model(x), y).backward()
             acc = {n: computed.of(n, p) + before[n] for n, p in named}
             opt.step()
-            rec["dense_steps"].append(opt._controller._dense)
+            rec["dense_steps"].append(opt._controller.mode.dense)
             if FREEZE <= step < UNFREEZE:
                 rec["frozen_moved"] = max([rec["frozen_moved"]] + [float((p.detach() - values[n]).abs().max())
                                                                    for n, p in frozen])

@@ -211,8 +211,8 @@ def scenario_dgc_techniques():
             local.remove()
             clipped = [ctl.clipping(local.grads[n]) for n, _ in named]
             opt.synchronize()
-            densities.append(ctl.compressor.density)
-            dense_steps.append(bool(ctl._dense))
+            densities.append(ctl.mode.density)
+            dense_steps.append(bool(ctl.mode.dense))
             u_new = [torch.add(g, u, alpha=0.9) for g, u in zip(clipped, u_prev)]
             acc = [r + u for r, u in zip(before, u_new)]
             after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]

@@ -103,7 +103,7 @@ def test_registry_and_density_errors():
 def test_register_compressor_by_decorator():
     @register_compressor("every-other-test")
     class EveryOther(Compressor):
-        def select(self, flat, segments, step):
+        def select_at(self, flat, segments, step, density):
             return torch.arange(0, flat.numel(), 2)
 
     assert "every-other-test" in available_compressors()

@@ -16,7 +16,7 @@ LAYERS = (
     ("kernels", ("kernels",)),
     ("algorithms", ("compressors", "fusion", "momentum", "warmup")),
     ("communicators", ("communicators",)),
-    ("runtime", ("buffer", "controller", "sweeps", "trial", "profiling", "timeline")),
+    ("runtime", ("buffer", "stages", "controller", "sweeps", "trial", "profiling", "timeline")),
     ("interface", ("optimizer", "elastic", "__main__", "")),
 )
 
@@ -88,3 +88,28 @@ def test_the_planning_package_needs_no_runtime():
     assert planning
     for m, deps in planning.items():
         assert all(d in ("plan", "registry") or d.startswith("fusion") for d in deps), (m, deps)
+
+
+def test_the_algorithms_import_no_runtime_state():
+    """The planners and the compressors are data in, data out: they import nothing of the runtime
+    (no buffer, controller, stage or profiler), so they hold no state that the runtime writes."""
+    for m, deps in imports().items():
+        if m.split(".")[0] in ("fusion", "compressors"):
+            assert not [d for d in deps if layer_of(d) >= layer_of("buffer")], (m, deps)
+
+
+#: The longest function body (its docstring aside) in the modules a newcomer reads first.
+MAX_FUNCTION_LINES = 60
+
+
+def test_the_step_path_reads_in_short_functions():
+    long = []
+    for path in [ROOT / "controller.py", ROOT / "optimizer.py", *sorted((ROOT / "stages").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                docstring = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                start = body[1].lineno if docstring and len(body) > 1 else node.lineno
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name}: {node.end_lineno - start + 1} lines")
+    assert not long, "\n".join(long)

@@ -1,0 +1,13 @@
+"""A gradient's path through the controller, in stages (SAFusion §3.1 Steps 1–3, §4 "Controller module").
+
+* :mod:`.mode` — the step's :class:`~.mode.StepMode`, decided once at its first gradient: dense or
+  sparse, its density, the loss-scale ratio of the residuals.
+* :mod:`.fill` — a gradient into its buffer: local clipping, momentum correction, the residual.
+* :mod:`.select` — one selection per buffer, on the host or on the device (chosen once per plan).
+* :mod:`.send` — one collective per buffer: the job's communicator, or Horovod's allreduce.
+* :mod:`.guard` — what every rank must agree on: the step's flags (non-finite gradients, arrived
+  gradients, joining parameters) and the loss scale of the residuals.
+* :mod:`.collect` — decoding into ``p.grad``, the residuals put back, the step's statistics.
+
+:class:`~horovod_safusion.controller.Controller` holds the plan and runs the stages in order.
+"""

@@ -1,0 +1,169 @@
+"""The first stage: a gradient into its fusion buffer, with error feedback (SAFusion §3.1 Step 1).
+
+The gradient is locally clipped and momentum-corrected if either is on (DGC §3.2,
+:mod:`~horovod_safusion.momentum`); then, on a sparse step, ``segment = gradient + scale ·
+residual`` is written into the parameter's segment of the buffer's flat tensor, which *is* where
+the residual lives (in place, no copy). A non-finite gradient element does not join the residual
+(the residual keeps its value there) and is counted, for the step's flags. On a dense step, or
+for a buffer of small tensors, gradient plus any residual goes to where the reduced gradient goes
+(``p.grad``, or the buffer's packed flat), and the residual is sent along and kept no more.
+
+A parameter without gradient on this rank (frozen, unused in this rank's forward, ``step()``
+without ``backward()``) sends zeros, so every rank submits the same collectives, and its
+residual stays as it is — not added, not sent, not delivered: on a sparse step it is set aside
+while the buffer's collective runs (:meth:`Filler.restore` puts it back).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..buffer import FusionBuffer
+from ..compressors.device import SegmentStats
+from ..kernels import host
+from ..momentum import LocalClipping, MomentumCorrection
+from ..residual import ResidualStore, holds
+from .collect import WriteBack
+from .guard import StepFlags
+from .mode import StepMode
+
+
+class Filler:
+    """Fills buffers' segments from gradients.
+
+    Args:
+        residuals: the per-parameter error-feedback store (views of the buffers' flat tensors).
+        momentum: momentum correction (DGC), or ``None``.
+        clipping: local gradient clipping (DGC), or ``None``.
+        sparse_as_dense: densify sparse gradients (as Horovod) instead of rejecting them.
+    """
+
+    def __init__(self, residuals: ResidualStore, momentum: MomentumCorrection | None,
+                 clipping: LocalClipping | None, sparse_as_dense: bool) -> None:
+        self.residuals, self.momentum, self.clipping = residuals, momentum, clipping
+        self.sparse_as_dense = sparse_as_dense
+
+    def fill(self, buf: FusionBuffer, slot: int, mode: StepMode, flags: StepFlags, out: WriteBack,
+             arrived: bool = True) -> None:
+        """Fill the buffer's tensor ``slot`` with its gradient (``arrived``: its hook fired on this
+        rank in this step), or with zeros, its residual kept (no gradient here)."""
+        p, name = buf.params[slot], buf.names[slot]
+        flags.arrive(name, arrived)
+        if arrived:
+            g = self._gradient(p, name)
+            buf.grads[slot] = out.grad_of(p)  # where the reduced gradient will go
+            if self.clipping is not None:
+                g = self.clipping(g)
+            if mode.sends_dense(buf):
+                self._fill_dense(buf, slot, g, mode)
+            else:
+                self._fill_sparse(buf, slot, g, mode)
+        else:
+            buf.grads[slot] = out.absent(p, name)
+            self._keep(buf, slot, mode)
+        buf.filled.add(slot)
+
+    def _gradient(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """``p.grad`` flat (a view where it is dense and contiguous), zeros if ``p`` has none."""
+        g = p.grad
+        if g is None:
+            return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        if g.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(f"parameter {name!r} has a sparse gradient (e.g. nn.Embedding(sparse=True)); "
+                                 "sparse gradients cannot be fused into a buffer: pass "
+                                 "sparse_as_dense=True to densify them, as in hvd.DistributedOptimizer")
+            g = g.to_dense()
+        return g.reshape(-1)
+
+    def _fill_sparse(self, buf: FusionBuffer, slot: int, g: torch.Tensor, mode: StepMode,
+                     keep: bool = False) -> None:
+        """``segment = gradient + scale · residual`` in the buffer, in place where the residual is
+        the segment itself; non-finite gradient elements are dropped and counted. With ``keep``
+        (no gradient here, the residual set aside) the segment takes ``g`` alone."""
+        flat = buf.allocate("flat")
+        seg = buf.segment(slot)
+        view = flat[seg]
+        r = None if keep else self.residuals.peek(buf.names[slot])
+        residual = view if holds(r, flat, seg) else r
+        if self.momentum is not None and not keep:
+            g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
+        if buf.on_host:
+            buf.dropped += host.fill(view, g, residual, mode.scale)
+            return
+        if not buf.filled and buf.selection is buf.segments and buf.triton:
+            buf.stats = SegmentStats(len(buf.names), buf.device)  # taken while filling, per tensor
+        if buf.stats is not None:
+            dropped, mx, total = kernels.accumulate(view, g, residual, mode.rescale, stats=True)
+            buf.stats.set(slot, (mx, total, torch.ones((), dtype=torch.bool, device=buf.device)))
+        else:
+            (dropped,) = kernels.accumulate(view, g, residual, mode.rescale)
+        buf.dropped = buf.dropped + dropped
+
+    def _fill_dense(self, buf: FusionBuffer, slot: int, g: torch.Tensor, mode: StepMode) -> None:
+        """The gradient as it is sent dense, with the residual of earlier sparse steps (sent along,
+        and kept no more) and the momentum: into ``p.grad`` itself (reduced in place), or, in a
+        buffer of small tensors, packed into the buffer's flat tensor."""
+        dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else buf.grads[slot]
+        r = self.residuals.pop(buf.names[slot])
+        if self.momentum is not None:
+            g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
+        if buf.on_host and (r is not None or dst is not g):
+            host.fill(dst, g, r, mode.scale, drop=False)
+            return
+        if r is None:
+            if dst is not g:
+                dst.copy_(g)
+        else:
+            torch.add(g, r * mode.rescale if mode.rescale is not None else r, out=dst)
+
+    def _keep(self, buf: FusionBuffer, slot: int, mode: StepMode) -> None:
+        """No gradient here: the residual (and the momentum) stay as they are, rescaled in place
+        to this step's loss scale. A dense step gives the buffer's flat up, so a residual in it
+        moves to a tensor of its own; on a sparse step the residual (and a momentum in the
+        buffer's plane, which masking would clear) are set aside, and the segment is filled with
+        zeros for the selection; :meth:`restore` puts them back after the collective."""
+        name, seg = buf.names[slot], buf.segment(slot)
+        r = self.residuals.peek(name)
+        u = self.momentum.momenta.peek(name) if self.momentum is not None else None
+        if mode.sends_dense(buf):
+            if holds(r, buf.flat, seg):
+                r = r.clone()
+                self.residuals.bind(name, r)
+            if buf.dense:  # this rank's contribution to the packed buffer: zeros
+                buf.allocate("flat")[seg].zero_()
+        else:
+            flat = buf.allocate("flat")
+            if holds(r, flat, seg):
+                r = r.clone()
+            if holds(u, buf.momentum, seg):
+                u = u.clone()
+                buf.aside.append((slot, r, u))
+            else:  # u is a tensor of its own (or none), which masking does not touch
+                buf.aside.append((slot, r, None))
+            self._fill_sparse(buf, slot, buf.grads[slot], mode, keep=True)  # the stand-in: zeros until decoded
+        if mode.rescale is not None:
+            for t in (r, u):
+                if t is not None:
+                    t.mul_(mode.rescale)
+
+    @staticmethod
+    def restore(buf: FusionBuffer) -> None:
+        """Put the residuals (and momenta) set aside by :meth:`_keep` back into the buffer's
+        planes. The residual is added to what the step left in its segment (zeros, or what the
+        protocol handed back), so nothing is lost."""
+        for slot, r, u in buf.aside:
+            seg = buf.segment(slot)
+            if r is not None:
+                buf.flat[seg].add_(r)
+            if u is not None:
+                buf.momentum[seg].copy_(u)
+        buf.aside = []
+
+    def keep_rest(self, buf: FusionBuffer) -> None:
+        """What the selection left in the buffer is the new residual: each parameter's residual
+        is its segment of the buffer (bound once; the buffer is filled in place from then on)."""
+        for slot, name in enumerate(buf.names):
+            seg = buf.segment(slot)
+            if not holds(self.residuals.peek(name), buf.flat, seg):
+                self.residuals.bind(name, buf.flat[seg])

@@ -1,0 +1,115 @@
+"""What every rank must agree on in a step, and the loss scale the residuals are kept at.
+
+* :class:`StepFlags` — the step's one small allreduce (the maximum over ranks): whether any rank
+  dropped non-finite gradient elements on a sparse step, how many parameters ranks are about to
+  add, and per parameter whether its gradient arrived on any rank. A step some rank could not
+  send whole arrives as NaN on every rank (:func:`poison`), so the user's finiteness check (or
+  GradScaler's) skips it on all ranks alike, as with Horovod, and every rank takes back what it
+  sent into its residuals; nothing finite is lost and no rank keeps a NaN.
+* :class:`LossScale` — with a ``GradScaler``, residuals are kept at the scale of the step that made
+  them and rescaled by ``new_scale / old_scale`` when added to the next gradient, so a changing
+  scale neither inflates nor shrinks them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+from ..buffer import FusionBuffer
+from ..communicators.base import wait
+from ..session import collective
+
+POISONED, JOINING_MAX, JOINING_MIN, ARRIVED = 0, 1, 2, 3  # positions in the flags
+
+
+class StepFlags:
+    """The step's flags, one allreduce (``hvd.Max``) per step over ``process_set``.
+
+    Args:
+        names: the synchronised parameters, in the same order on every rank.
+    """
+
+    def __init__(self, names: Sequence[str], process_set: Any) -> None:
+        self.process_set = process_set
+        self.position = {name: i for i, name in enumerate(names)}
+        self.arrived = np.ones(len(self.position), dtype=bool)  # per position: its gradient arrived here
+        self._handle: int | None = None
+        self._result: np.ndarray | None = None
+
+    def arrive(self, name: str, arrived: bool) -> None:
+        """Whether ``name``'s gradient arrived on this rank in this step."""
+        self.arrived[self.position[name]] = arrived
+
+    def start(self, poisoned: bool, joining: int) -> None:
+        """Start the allreduce: submitted after every buffer's collective, so that it waits behind
+        none of them."""
+        flags = np.empty(ARRIVED + len(self.arrived), dtype=np.int32)
+        flags[POISONED] = poisoned
+        flags[JOINING_MAX], flags[JOINING_MIN] = joining, -joining
+        flags[ARRIVED:] = self.arrived
+        self._result = None
+        self._handle = hvd.allreduce_async(torch.from_numpy(flags), op=hvd.Max, name=collective("saf.step"),
+                                           process_set=self.process_set)
+
+    def result(self) -> np.ndarray:
+        """The flags of every rank (waits for them the first time)."""
+        if self._result is None:
+            self._result = wait(self._handle).numpy()
+            self._handle = None
+        return self._result
+
+    @property
+    def poisoned(self) -> bool:
+        """Whether some rank dropped a non-finite gradient element."""
+        return bool(self.result()[POISONED])
+
+    @property
+    def joining(self) -> tuple[int, int]:
+        """How many parameters ranks add: the minimum and the maximum over ranks."""
+        flags = self.result()
+        return -int(flags[JOINING_MIN]), int(flags[JOINING_MAX])
+
+    def arrived_anywhere(self, name: str) -> bool:
+        """Whether ``name``'s gradient arrived on some rank."""
+        return bool(self.result()[ARRIVED + self.position[name]])
+
+
+def poison(buf: FusionBuffer) -> None:
+    """A step some rank could not send whole: the buffer arrives as NaN everywhere, and this rank
+    takes what it sent back into its residuals (gradient + residual, as if nothing had been
+    selected), so the step the user skips loses no finite gradient."""
+    if buf.indices is not None:
+        buf.flat.index_add_(0, buf.indices, buf.values)
+    for t in buf.target.tensors:
+        t.fill_(float("nan"))
+
+
+class LossScale:
+    """The loss scale residuals are kept at.
+
+    Args:
+        current: returns the scale of the step being back-propagated (a ``GradScaler``'s), or
+            ``None``; ``None`` itself: no loss scaling.
+    """
+
+    def __init__(self, current: Callable[[], torch.Tensor | None] | None) -> None:
+        self.current = current
+        self.residuals: torch.Tensor | None = None  # the scale the residuals are at
+        self._step: torch.Tensor | None = None      # the scale of the step in flight
+
+    def begin(self, rescales: bool) -> torch.Tensor | None:
+        """The step's first gradient: the ratio of its scale to the residuals' as a 0-dim tensor (no
+        host synchronisation; it keeps the residual's dtype), or ``None`` where none applies
+        (``rescales`` false: nothing is kept from step to step)."""
+        scale = self.current() if self.current is not None else None
+        self._step = scale
+        if scale is None or self.residuals is None or not rescales:
+            return None
+        return (scale / self.residuals).reshape(())
+
+    def end(self) -> None:
+        """The step synchronised: its residuals are at its scale."""
+        self.residuals = self._step

@@ -1,0 +1,54 @@
+"""The third stage: one collective per fusion buffer, started as soon as the buffer is full
+(SAFusion §3.1 Step 2), overlapping the rest of back-propagation.
+
+A sparse buffer goes to the job's communicator (:mod:`~horovod_safusion.communicators`) as an
+``Outgoing`` record: its selected values and indices, its residual, the wire rows where the
+selection wrote them, and where the aggregate goes (``p.grad`` of each tensor). A dense one —
+every buffer of a dense step, and the buffer of small tensors — is reduced with Horovod's
+allreduce over the same process set and wire compression; the buffer of small tensors travels
+packed in its flat tensor, one tensor for Horovod, whose background thread pays per tensor it
+handles.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..buffer import FusionBuffer
+from ..communicators import Allreduce, Communicator, Outgoing, Reduction
+from ..communicators.base import Target
+from .mode import StepMode
+
+
+class Sender:
+    """Starts buffers' collectives.
+
+    Args:
+        communicator: the job's communicator.
+        reduction: Horovod's op and scale factors.
+    """
+
+    def __init__(self, communicator: Communicator, reduction: Reduction) -> None:
+        self.communicator = communicator
+        self.reduction = reduction
+        self._allreduce: Communicator | None = None
+
+    @property
+    def allreduce(self) -> Communicator:
+        """The communicator of dense buffers and steps: the job's own where it is dense, else
+        Horovod's allreduce over the same process set and wire compression (made once)."""
+        if self.communicator.dense:
+            return self.communicator
+        if self._allreduce is None:
+            self._allreduce = Allreduce(process_set=self.communicator.process_set,
+                                        compression=self.communicator.compression)
+        return self._allreduce
+
+    def start(self, buf: FusionBuffer, mode: StepMode, values: torch.Tensor | None, indices: torch.Tensor | None,
+              rows: torch.Tensor | None) -> None:
+        """Start ``buf``'s collective (``values`` ``None``: all of it, dense); ``buf.pending`` is
+        its handle."""
+        comm = self.allreduce if mode.sends_dense(buf) else self.communicator
+        buf.target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(buf.grads), buf.bounds)
+        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
+                                 self.reduction)
