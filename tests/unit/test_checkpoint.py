@@ -60,6 +60,24 @@ def test_resume_through_a_weights_only_file_is_bit_identical(hvd, compressor):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
+def test_a_checkpoint_of_version_0_1_0_names_the_profiler_generator_and_still_resumes_exactly(hvd):
+    m = model()
+    opt = make(m)
+    train(m, opt, 5)
+    ckpt = through_file({"model": m.state_dict(), "optimizer": opt.state_dict()})
+    saved = ckpt["optimizer"]["safusion"]
+    saved["generator"] = saved.pop("profiler")  # as 0.1.0 wrote it
+    train(m, opt, 4, first=5)
+
+    m2 = model(seed=1)
+    opt2 = make(m2)
+    m2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optimizer"])
+    assert opt2.plan == opt.plan and opt2.profile.to_dict() == opt.profile.to_dict()
+    train(m2, opt2, 4, first=5)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
 def test_a_plain_horovod_checkpoint_loads_with_empty_residuals_and_a_warning(hvd):
     m = model()
     plain = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
