@@ -122,12 +122,23 @@ def gather(buffers: Sequence[FusionBuffer], store: ResidualStore, plane: str) ->
     made. A buffer that has the plane already (a loaded checkpoint) keeps it; one whose
     parameters' tensors lie one after the other in one storage, in order (an old buffer, or a run
     of an old plan's buffers: they share one storage), takes that memory as it is, so a new plan
-    that regroups the same order of tensors copies nothing and needs no memory more; the other
-    buffers get a plane allocated (for all of them at once) and filled, and an old storage is
-    freed once no tensor lives in it any more."""
+    that regroups the same order of tensors copies nothing and needs no memory more — but only
+    where the new buffers that can do so take the *whole* old storage between them: a storage
+    that some of them kept while the others moved out would stay alive for the rest of training
+    with the memory of the tensors that left it. The other buffers get a plane allocated
+    (for all of them at once) and filled, and an old storage is freed once no tensor lives in it
+    any more."""
+    candidates: dict[int, list[tuple[FusionBuffer, torch.Tensor]]] = {}  # per old storage
     for buf in buffers:  # first every buffer that can take its tensors' memory as it is
         if getattr(buf, plane) is None:
-            setattr(buf, plane, _whole([store.peek(name) for name in buf.names], buf.numel))
+            whole = _whole([store.peek(name) for name in buf.names], buf.numel)
+            if whole is not None:
+                candidates.setdefault(whole.untyped_storage().data_ptr(), []).append((buf, whole))
+    for runs in candidates.values():
+        storage = runs[0][1].untyped_storage()
+        if sum(whole.numel() for _, whole in runs) * runs[0][1].element_size() == storage.nbytes():
+            for buf, whole in runs:
+                setattr(buf, plane, whole)
     for buf in buffers:
         views = [store.peek(name) for name in buf.names]
         flat = getattr(buf, plane)
