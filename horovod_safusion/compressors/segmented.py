@@ -282,13 +282,13 @@ def _select_stepped(x, offsets, sizes, start, top, low, high, up, down, passes, 
     return out, n
 
 
-
 class Reselection(enum.IntEnum):
     """What :meth:`NumbaKernels.reselect` does with a segment's current selection."""
 
     KEPT = 0      # keep it as it is
     FILTERED = 1  # a raised threshold: keep the subset with |x| >= the new threshold
     COMPARED = 2  # compare the whole segment anew
+
 
 @_jit
 def _reselect(x, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pragma: no cover

@@ -226,7 +226,8 @@ class PeriodicThreshold(ThresholdCompressor):
       segment needed is kept until its next periodic estimate (which starts from the base effort
       again): re-estimated at the base effort, a segment that fell short once falls short again
       and pays a second pass. (Kept for good, DGC falls short of low target densities: the base
-      sample's rounding bias, ``⌈density · samples⌉``, is what lifts it.) These segments are re-selected alone, at most ``refine_passes`` times a step.
+      sample's rounding bias, ``⌈density · samples⌉``, is what lifts it.) These segments are
+      re-selected alone, at most ``refine_passes`` times a step.
 
     Error feedback makes the accumulated gradient grow while residuals build up, which is what
     moves reused thresholds (the ``± 1`` keeps segments with small ``k``, whose counts are noisy,
@@ -234,8 +235,7 @@ class PeriodicThreshold(ThresholdCompressor):
     mean ``|x|``, measured anew every step (one reduction): the gradient's scale changes from one
     mini-batch to the next far more than its shape, and kept in absolute units, per-tensor
     thresholds went stale within a step or two on real gradients (the same reason as ExDyna's
-    ``relative`` thresholds). Subclasses implement
-    :meth:`estimate` for a set of segments.
+    ``relative`` thresholds). Subclasses implement :meth:`estimate` for a set of segments.
     """
 
     def __init__(self, density: float, interval: int, drift: float, refine_passes: int) -> None:
