@@ -133,6 +133,7 @@ def main() -> None:
                 for _ in range(args.alternations):
                     for backend in ("triton", "torch"):
                         os.environ["HOROVOD_SAFUSION_KERNELS"] = backend
+                        kernels.reread()
                         rows = select(flat, table, thr)
                         gathered = torch.cat([rows] * args.ranks)
                         out = torch.zeros(flat.numel(), dtype=dtype, device=device)
@@ -155,6 +156,7 @@ def main() -> None:
                     rec[f"{op}_speedup"] = [float(np.median(ratio)), float(ratio.min()), float(ratio.max())]
                 rows_out.append(rec)
     os.environ.pop("HOROVOD_SAFUSION_KERNELS", None)
+    kernels.reread()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter: not a speed)"
     print(f"\n{name}; copy bandwidth {peak / 1e9:.0f} GB/s; {args.dtype}; decode of {args.ranks} ranks' rows")
     print(f"{'elements':>11} {'density':>8} | {'select GB/s triton':>18} {'torch':>7} {'speedup [min-max]':>20} "

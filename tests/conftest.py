@@ -17,3 +17,22 @@ def hvd():
     import horovod.torch as hvd
     hvd.init()
     yield hvd
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """``paths(device_path=..., kernels=...)`` sets ``HOROVOD_SAFUSION_DEVICE_PATH`` and
+    ``HOROVOD_SAFUSION_KERNELS`` for one test and has the package read them again (it reads them
+    once per process); after the test, they are restored and read again."""
+    from horovod_safusion import kernels
+
+    def use(device_path: bool | None = None, kernels_: str | None = None) -> None:
+        if device_path is not None:
+            monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1" if device_path else "0")
+        if kernels_ is not None:
+            monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", kernels_)
+        kernels.reread()
+
+    yield use
+    monkeypatch.undo()
+    kernels.reread()

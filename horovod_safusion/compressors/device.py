@@ -6,28 +6,29 @@ rest of back-propagation, which is the overlap SAFusion exists for (§3.1 Step-2
 compiled loops; here thresholds, counts, statistics and corrections stay device tensors, and the
 buffer is read back once, for the count that sizes its collective (:class:`Proposal`).
 
-Where the CPU path takes a data-dependent branch, the device path takes it on the device:
-
-* a count outside a compressor's band is corrected by a fixed number of compare-and-count passes
-  (:meth:`DeviceView.corrected`: a step along the segment's exponential tail, then secants in
-  log-count inside the bracket the counts proved) — DGC's hierarchical selection and SIDCo's
-  effort escalation become these passes; RedSync's bisection and GaussianK's stepping run all
-  their passes, since stopping early would need the counts on the host;
-* periodic re-estimation happens for all segments on the steps the host can name (every
-  ``interval`` steps, or for segments it has not seen), not when a segment's estimate went stale;
-* a compressor's state is updated only after the host read said the buffer was finite.
+Where the CPU path takes a data-dependent branch, the device path computes both sides for every
+segment and keeps, per segment, the side the host would have taken (``torch.where``), so that it
+selects the host path's elements (``tests/unit/test_compressors.py`` holds every threshold
+compressor to that): RedSync's bisection and GaussianK's stepping run all their passes, a segment
+in its band keeping its threshold; DGC's and SIDCo's corrections (trim, lowering, a new estimate
+with more effort) run as the host's, every pass for every segment, with the k-th largest of every
+segment and the estimate of every effort taken at once
+(:meth:`~horovod_safusion.compressors.threshold.PeriodicThreshold.propose_on_device`). Stopping
+early, or skipping a segment, would need the counts on the host. A compressor's state is updated
+only after the host read said the buffer was finite (:meth:`Proposal.decide`).
 
 ``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends CPU buffers down this path too (tests, benchmarks).
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable
 
 import numpy as np
 import torch
 
 from .. import kernels
+from ..kernels import reference
 from ..segment import Segments
 
 
@@ -90,6 +91,17 @@ class Proposal:
             return values, indices, None
         return cls(indices.numel(), torch.isfinite(flat.sum(dtype=_acc(flat))), take)
 
+    def decide(self, zero: bool = True, dropped: "torch.Tensor | None" = None) -> tuple[tuple, bool]:
+        """Read ``(total, finite)`` once — not finite either where ``dropped`` (the fill's count of
+        non-finite gradient elements it left out) is not zero — commit the compressor's state only
+        if finite, and take the selection: ``((values, indices, wire rows or None), finite)``."""
+        if dropped is not None:
+            self.finite = self.finite & (dropped == 0)
+        total, finite = self.read()
+        if finite:
+            self.commit()
+        return self.take(total, zero), finite
+
     def read(self) -> tuple[int, bool]:
         """``(total, finite)`` — the one host synchronisation of the buffer."""
         if isinstance(self.total, int):
@@ -104,8 +116,9 @@ def _acc(flat: torch.Tensor) -> torch.dtype:
 
 class DeviceView:
     """One flat buffer on the device path: per-segment statistics as float64 device tensors
-    (``max``, ``mean`` of ``|x|``, ``live``, target ``k``), compare-and-count passes, and the final
-    :class:`Proposal`. ``k_host`` is the target count per segment as a NumPy array."""
+    (``max``, ``mean`` of ``|x|``, ``live``, target ``k``, the exact ``k``-th largest ``kth``),
+    compare-and-count passes, and the final :class:`Proposal`. ``k_host`` is the target count per
+    segment as a NumPy array."""
 
     def __init__(self, flat: torch.Tensor, segments: Segments, density: float,
                  stats: "SegmentStats | None" = None) -> None:
@@ -130,52 +143,24 @@ class DeviceView:
 
     def counts(self, thresholds: torch.Tensor) -> torch.Tensor:
         """Per segment, how many elements ``thresholds`` select (float64): one pass."""
-        return kernels.selection(self.flat, self.applied(thresholds), self.table).counts.double()
+        return self.count(self.applied(thresholds))
 
-    def corrected(self, thresholds: torch.Tensor, low: torch.Tensor, high: torch.Tensor, passes: int) -> torch.Tensor:
-        """``thresholds`` after ``passes`` compare-and-count passes that move each live segment whose
-        count left ``[low, high]`` towards ``k``. ``ln(count)`` is taken as linear in the threshold
-        near it: the first move follows an exponential tail of the segment
-        (``count ∝ exp(−τ / mean|x|)``), later ones the secant through the last two counts, kept
-        inside the bracket the counts so far have proved (a secant outside it bisects instead).
-        The exponential tail alone overshoots on real gradients, whose tails are lighter: its moves
-        alternated between selecting 1 % and 100 % of a segment."""
-        lo, hi = torch.zeros_like(thresholds), torch.full_like(thresholds, float("inf"))
-        target = torch.log(self.k)
-        thr, prev = thresholds, None
-        for _ in range(passes):
-            counts = self.counts(thr)
-            off = self.live & ((counts > high) | (counts < low))
-            many = counts > high
-            lo, hi = torch.where(off & many, torch.maximum(lo, thr), lo), torch.where(off & ~many, torch.minimum(hi, thr), hi)
-            log_count = torch.log(torch.clamp(counts, min=0.5))
-            slope = -1.0 / self.unit
-            if prev is not None:
-                secant = (log_count - prev[1]) / (thr - prev[0])
-                slope = torch.where(torch.isfinite(secant) & (secant < 0), secant, slope)
-            step = thr + (target - log_count) / slope
-            inside = (step > lo) & (step < hi)
-            bisect = torch.where(torch.isinf(hi), 2 * torch.maximum(thr, lo), (lo + hi) / 2)
-            prev = (thr, log_count)
-            thr = torch.where(off, torch.where(inside, step, bisect), thr)
-        return thr
+    def count(self, applied: torch.Tensor) -> torch.Tensor:
+        """Per segment, how many elements thresholds already :meth:`applied` select (float64)."""
+        return kernels.selection(self.flat, applied, self.table).counts.double()
 
-    def kth_largest(self, ks: np.ndarray, positions: "torch.Tensor | None" = None,
-                    lengths: "np.ndarray | None" = None) -> torch.Tensor:
-        """Per segment, the ``ks[s]``-th largest ``|x|`` (float64): of the whole segment, or of
-        the elements at ``positions`` (buffer indices, in consecutive runs of ``lengths[s]``,
-        e.g. a sample). A call per segment, with k known on the host: nothing is read back."""
-        if positions is None:
-            starts, lengths = self.segments.offset_array, self.segments.size_array
-            values = self.flat
-        else:
-            starts = np.cumsum(lengths) - lengths
-            values = self.flat[positions.to(self.flat.device)]
-        out = []
-        for o, n, k in zip(starts.tolist(), lengths.tolist(), ks.tolist()):
-            run = values[o:o + n].abs()
-            out.append(torch.topk(run, min(max(k, 1), n), sorted=False).values.min() if n else run.new_zeros(()))
-        return torch.stack(out).double() if out else self.max.new_zeros(0)
+    @cached_property
+    def kth(self) -> torch.Tensor:
+        """Per segment, its ``k``-th largest ``|x|`` (float64, exact; 0 for an empty segment): one
+        radix selection for all segments (:func:`~horovod_safusion.kernels.reference.kth_largest`),
+        the host's :meth:`~horovod_safusion.compressors.threshold.SegmentView.kth_largest`."""
+        ks = np.minimum(self.k_host, np.maximum(self.segments.size_array, 1))
+        return self.kth_largest_of(self.flat, self.table.seg_ids(), ks)
+
+    def kth_largest_of(self, values: torch.Tensor, groups: torch.Tensor, ks: np.ndarray) -> torch.Tensor:
+        """Per group ``g``, the ``ks[g]``-th largest ``|values|`` where ``groups == g`` (float64),
+        e.g. of a sample per segment."""
+        return reference.kth_largest(values, groups, torch.from_numpy(ks).to(values.device)).double()
 
     def propose(self, thresholds: torch.Tensor, commit: Callable[[torch.Tensor], None] | None = None) -> Proposal:
         """The selection by ``thresholds``; ``commit(counts)`` updates the compressor's state

@@ -7,9 +7,14 @@ hierarchical selection); if far below, the sample is doubled and the estimate re
 §4 says, the gradient distribution changes slowly, so thresholds are re-estimated only every
 ``interval`` steps and reused in between; between estimations one pass over the flat buffer
 applies all segment thresholds at once, and a threshold that drifted is re-estimated at once
-(:class:`~horovod_safusion.compressors.threshold.PeriodicThreshold`).
+(:class:`~horovod_safusion.compressors.threshold.PeriodicThreshold`). Samples are drawn by a
+counter-based hash (:func:`sample_positions`), so that a resumed job and the device path draw
+exactly what the host path draws.
 """
 from __future__ import annotations
+
+import zlib
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -21,6 +26,46 @@ from .threshold import PeriodicThreshold, SegmentView
 
 #: A segment whose sample would exceed 1/EXACT_SHARE of it takes its exact k-th largest instead.
 EXACT_SHARE = 16
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values below
+    2^32; the multipliers are below 2^31, so no product leaves int64."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x27D4EB2F) & _M32
+    return h ^ (h >> 16)
+
+
+@lru_cache(maxsize=256)
+def _keys(names: tuple[str, ...]) -> np.ndarray:
+    """A stable 32-bit key per segment name (CRC-32: Python's ``hash`` of a string changes from
+    process to process)."""
+    return np.array([zlib.crc32(n.encode()) for n in names], dtype=np.int64)
+
+
+def sample_positions(seed: int, step: int, keys: np.ndarray, efforts: np.ndarray, offsets: np.ndarray,
+                     sizes: np.ndarray, counts: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Buffer positions of ``counts[g]`` draws, uniform with replacement, in the run of
+    ``sizes[g]`` elements at ``offsets[g]``, for every group ``g`` (a segment at an effort),
+    concatenated by group (int64, on ``device``). Counter-based: draw ``j`` of a group is a hash of
+    ``(seed, step, keys[g], efforts[g], j)``, so a segment's sample does not depend on which other
+    segments are sampled with it — the host samples the segments it must estimate, the device
+    every segment at every effort, and both draw the same positions."""
+    base = _mix(torch.tensor([(seed * 0x9E3779B1 + step) & _M32]))
+    salt = _mix((_mix(torch.from_numpy(keys) ^ base) + torch.from_numpy(efforts) * 0x85EBCA77) & _M32).to(device)
+    counts_t = torch.from_numpy(counts).to(device)
+    total = int(counts.sum())
+    group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=total)
+    j = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(counts_t, 0) - counts_t, counts_t,
+                                                                     output_size=total)
+    h = _mix((salt[group] + j * 0x9E3779B9) & _M32)
+    n = torch.from_numpy(sizes).to(device)[group]
+    start = torch.from_numpy(offsets).to(device)[group]
+    return start + (h.double() * (1.0 / 2 ** 32) * n.double()).long()
 
 
 @register_compressor("dgc")
@@ -38,8 +83,8 @@ class DGC(PeriodicThreshold):
         drift: a threshold whose count leaves ``[k / drift − 1, drift · (k + 1)]`` is corrected at once
             (hierarchical selection above, a doubled sample below).
         refine_passes: at most this many corrections per step.
-        seed: seed of the sampling generator (each rank may sample differently; only counts
-            depend on it, never correctness).
+        seed: seed of the sampling (:func:`sample_positions`; only counts depend on it, never
+            correctness).
     """
 
     def __init__(self, density: float = 0.01, sample_rate: float = 0.01, min_samples: int = 1024,
@@ -49,45 +94,53 @@ class DGC(PeriodicThreshold):
             raise ValueError(f"sample_rate must satisfy 0 < sample_rate <= 1, got {sample_rate!r}")
         self.sample_rate = sample_rate
         self.min_samples = int(min_samples)
-        self._gen = torch.Generator().manual_seed(seed)
+        self.seed = int(seed)
 
     max_effort = 6  # a sample up to 64 times larger
-    state_fields = PeriodicThreshold.state_fields + ("_gen",)
 
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
-        """Per segment, the ``(1 − density)`` quantile of a random sample of its ``|x|``, the
-        sample doubled per ``effort``; exact where the sample would hold more than
-        1/:data:`EXACT_SHARE` of the segment: the exact k-th largest (radix selection, a few
-        passes over the segment and no copy) then costs about what sampling does, and a sample
-        of a large tensor would take several times the tensor's memory (a position and a value
-        per draw). The samples of all segments are drawn at once (uniform, with replacement) and
-        their quantiles taken in one call."""
+    def samples(self, sizes: np.ndarray, effort: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment of ``sizes`` at ``effort`` (arrays that broadcast): the sample's size,
+        doubled per effort, and whether the segment is thresholded exactly instead — where the
+        sample would hold more than 1/:data:`EXACT_SHARE` of it: the exact k-th largest (radix
+        selection, a few passes over the segment and no copy) then costs about what sampling does,
+        and a sample of a large tensor would take several times the tensor's memory (a position
+        and a value per draw)."""
+        m = np.minimum(sizes, np.maximum(np.ceil(self.sample_rate * sizes).astype(np.int64),
+                                         self.min_samples) << effort)
+        return m, m * EXACT_SHARE >= sizes
+
+    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> np.ndarray:
+        """Per segment, the ``(1 − density)`` quantile of a sample of its ``|x|``
+        (:meth:`samples`, :func:`sample_positions`), or its exact k-th largest; the samples of all
+        segments are drawn at once and their quantiles taken in one call."""
         n = view.sizes[which]
-        samples = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64),
-                                           self.min_samples) << effort)
+        m, exact = self.samples(n, effort)
         out = np.empty(len(which), dtype=np.float64)
-        exact = samples * EXACT_SHARE >= n
         out[exact] = view.kth_largest(which[exact], ks[exact])
         sampled = ~exact
         if sampled.any():
-            m = samples[sampled]
-            u = torch.rand(int(m.sum()), generator=self._gen, dtype=torch.float64).numpy()
-            idx = np.repeat(view.offsets[which[sampled]], m) + (u * np.repeat(n[sampled], m)).astype(np.int64)
-            out[sampled] = view.kth_largest_at(idx, m, np.ceil(view.density * m).astype(np.int64))
+            s, ms = which[sampled], m[sampled]
+            idx = sample_positions(self.seed, step, _keys(view.segments.names)[s], effort[sampled], view.offsets[s],
+                                   n[sampled], ms, torch.device("cpu")).numpy()
+            out[sampled] = view.kth_largest_at(idx, ms, np.ceil(view.density * ms).astype(np.int64))
         return out
 
-    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
-        """The base-effort estimate of every segment on its device: the sample positions are drawn
-        on the host (the same generator), the quantiles taken on the device."""
+    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
+        """Every segment at every effort, in one radix selection over all the samples (about
+        an eighth of the buffer in all: a sample that reaches 1/16 of its segment is exact)."""
         n = view.segments.size_array
-        m = np.minimum(n, np.maximum(np.ceil(self.sample_rate * n).astype(np.int64), self.min_samples))
-        exact = m >= n
-        ks = np.where(exact, view.k_host, np.ceil(view.density * m).astype(np.int64))
-        positions = np.repeat(view.segments.offset_array, m) + np.arange(int(m.sum()), dtype=np.int64) \
-            - np.repeat(np.cumsum(m) - m, m)  # exact segments: all their elements
-        sampled = np.flatnonzero(np.repeat(~exact, m))
-        u = torch.rand(len(sampled), generator=self._gen, dtype=torch.float64)  # host: the generator's
-        positions = torch.from_numpy(positions)
-        positions[torch.from_numpy(sampled)] = torch.from_numpy(np.repeat(view.segments.offset_array, m)[sampled]) \
-            + (u * torch.from_numpy(np.repeat(n, m)[sampled])).long()
-        return view.kth_largest(ks, positions, m)
+        efforts = np.arange(self.max_effort + 1)
+        m, exact = self.samples(n[:, None], efforts[None, :])
+        table = view.kth[:, None].repeat(1, len(efforts))
+        s, e = np.nonzero(~exact)
+        if s.size:
+            ms = m[s, e]
+            positions = sample_positions(self.seed, step, _keys(view.segments.names)[s], e, view.segments.offset_array[s],
+                                         n[s], ms, view.flat.device)
+            groups = torch.repeat_interleave(torch.arange(len(s), device=view.flat.device),
+                                             torch.from_numpy(ms).to(view.flat.device), output_size=int(ms.sum()))
+            ks = np.ceil(view.density * ms).astype(np.int64)
+            at = torch.from_numpy(s * len(efforts) + e).to(view.flat.device)
+            table.view(-1)[at] = view.kth_largest_of(view.flat[positions], groups, ks)
+        return table

@@ -91,8 +91,12 @@ class ExDyna(ThresholdCompressor):
     def _factor(self, exam: "float | np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
         """Algorithm 5's scaling factor for ``exam = k′/k`` (a number, or one per segment, as a
         NumPy array or a device tensor)."""
-        where = torch.where if isinstance(exam, torch.Tensor) else np.where
-        return where(exam > self.beta, 1 + self.gamma, where(exam > 1 / self.beta, 1 + self.gamma / 4, 1 - self.gamma))
+        factors = 1 + self.gamma, 1 + self.gamma / 4, 1 - self.gamma
+        if isinstance(exam, torch.Tensor):  # in exam's dtype: a scalar pair would give float32
+            up, nudge, down = (exam.new_tensor(f) for f in factors)
+            return torch.where(exam > self.beta, up, torch.where(exam > 1 / self.beta, nudge, down))
+        up, nudge, down = factors
+        return np.where(exam > self.beta, up, np.where(exam > 1 / self.beta, nudge, down))
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0
@@ -120,7 +124,7 @@ class ExDyna(ThresholdCompressor):
         unit = view.unit if self.relative else torch.ones_like(view.unit)
         if self._threshold.unseen(names):
             seen = torch.tensor([not self._threshold.unseen((n,)) for n in names], device=delta.device)
-            delta = torch.where(seen, delta, view.kth_largest(view.k_host) / unit)
+            delta = torch.where(seen, delta, view.kth / unit)
         thr = delta * unit
 
         def commit(counts: torch.Tensor) -> None:

@@ -20,6 +20,8 @@ Use ``dgc`` or ``topk`` where the density must hold.
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
 from scipy.special import ndtri  # Φ⁻¹ as a bare ufunc, without norm.ppf's per-call argument checking
@@ -29,6 +31,17 @@ from .base import register_compressor
 from .device import DeviceView, Proposal
 from .segmented import Steps
 from .threshold import SegmentView, ThresholdCompressor
+
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
+
+
+def gaussian_threshold(mean: Array, square: Array, density: float) -> Array:
+    """Per segment, ``|μ| + σ · Φ⁻¹(1 − density / 2)`` from the means of ``x`` and of ``x²``:
+    float64 NumPy arrays on the host path, device tensors on the device path (the operations are
+    the ones both have; ``** 0.5`` is a square root in both). The density is the step's: a
+    density warm-up changes it between steps."""
+    sigma = (square - mean * mean).clip(min=0.0) ** 0.5
+    return abs(mean) + sigma * float(ndtri(1.0 - density / 2.0))
 
 
 @register_compressor("gaussiank")
@@ -48,25 +61,26 @@ class GaussianK(ThresholdCompressor):
         self.step_up, self.step_down = float(step_up), float(step_down)
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        mu, second = view.means(signed=True), view.means(signed=True, squares=True)
-        sigma = np.sqrt(np.maximum(second - mu * mu, 0))
-        # from the density of this step (a density warm-up changes it between steps)
-        return np.abs(mu) + sigma * float(ndtri(1.0 - view.density / 2.0))
+        return gaussian_threshold(view.means(signed=True), view.means(signed=True, squares=True), view.density)
+
+    @staticmethod
+    def band(k: "np.ndarray | torch.Tensor") -> tuple:
+        """The counts a segment with target ``k`` may end with: ``[2k/3, 4k/3]``."""
+        return 2 * k / 3, 4 * k / 3
 
     def correction(self, view: SegmentView, step: int) -> Steps:
-        return Steps(low=2 * view.k / 3, high=4 * view.k / 3, up=self.step_up, down=self.step_down,
-                     passes=self.refine_passes)
+        low, high = self.band(view.k)
+        return Steps(low=low, high=high, up=self.step_up, down=self.step_down, passes=self.refine_passes)
 
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
         """The Gaussian estimate and ``refine_passes`` stepped corrections, all segments at once
         (each pass compares the whole buffer: a device cannot skip the segments in band without
         reading their counts back)."""
         s1, s2 = reference.moments(view.flat, view.table)
-        mu = s1 / view.sizes
-        sigma = torch.sqrt(torch.clamp(s2 / view.sizes - mu * mu, min=0.0))
-        u = torch.abs(mu) + sigma * float(ndtri(1.0 - view.density / 2.0))
-        low, high = 2 * view.k / 3, 4 * view.k / 3
+        u = gaussian_threshold(s1 / view.sizes, s2 / view.sizes, view.density)
+        low, high = self.band(view.k)
         for _ in range(self.refine_passes):
             counts = view.counts(u)
-            u = u * torch.where(counts > high, self.step_up, torch.where(counts < low, self.step_down, 1.0))
+            up, down, keep = (u.new_tensor(f) for f in (self.step_up, self.step_down, 1.0))  # float64, as on the host
+            u = u * torch.where(counts > high, up, torch.where(counts < low, down, keep))
         return view.propose(u)

@@ -49,6 +49,10 @@ _jit = numba.njit(cache=True, nogil=True)
 POSITIVE = float(np.finfo(np.float64).tiny)
 
 
+#: How many times one selection pass lowers a reused threshold that selected too few
+#: (:func:`_select_within`).
+LOWERINGS = 3
+
 #: :func:`_compare` makes room for this many more indices at a time (a block of the segment).
 COMPARE_BLOCK = 4096
 
@@ -230,8 +234,8 @@ def _select_within(x, offsets, sizes, thr, ks, low, high, lower, scale, out, cou
     ``high[s]`` is trimmed to the ``ks[s]`` largest; one below ``low[s]``, where ``lower[s]``,
     lowers the threshold along an exponential tail of scale ``scale[s]`` (``count ∝ exp(−τ/scale)``,
     so ``τ − scale · ln(k / count)`` selects about k) and compares the segment again, at most
-    three times, then trims to ``ks[s]``. ``chosen[s]`` receives the threshold applied in the end
-    (in ``x``'s dtype)."""
+    :data:`LOWERINGS` times, then trims to ``ks[s]``. ``chosen[s]`` receives the threshold
+    applied in the end (in ``x``'s dtype)."""
     n = 0
     for s in range(offsets.size):
         first, t = n, thr[s]
@@ -241,7 +245,7 @@ def _select_within(x, offsets, sizes, thr, ks, low, high, lower, scale, out, cou
             lowered = False
             if lower[s]:
                 tries = 0
-                while n - first < low[s] and tries < 3 and t > 0:
+                while n - first < low[s] and tries < LOWERINGS and t > 0:
                     chosen[s] = max(t - scale[s] * np.log(ks[s] / max(n - first, 1)), 0.0)
                     t = chosen[s]  # rounded to x's dtype
                     out, n = _compare(x, offsets[s], sizes[s], t, out, first)

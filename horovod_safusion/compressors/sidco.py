@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.stats import gamma as gamma_dist
 
 from ..kernels import reference
 from .base import register_compressor
@@ -31,29 +30,10 @@ from .threshold import PeriodicThreshold, SegmentView
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
 
 
-def quantile(m: np.ndarray, v: np.ndarray, p: np.ndarray, family: str) -> np.ndarray:
-    """Per entry, the value above which a fraction ``p`` of the distribution ``family``
-    (``exponential``, ``gpareto`` or ``gamma``) fitted by the moments ``m`` (mean) and ``v``
-    (variance) lies; 0 where ``m <= 0``, the exponential's where ``v <= 0``."""
-    out = -m * np.log(p)  # exponential: scale = mean
-    fit = (m > 0) & (v > 0)
-    if family != "exponential" and fit.any():
-        mf, vf, pf = m[fit], v[fit], p[fit]
-        if family == "gamma":
-            q = gamma_dist.isf(pf, mf * mf / vf, scale=vf / mf)
-        else:
-            xi = 0.5 * (1.0 - mf * mf / vf)
-            sigma = 0.5 * mf * (1.0 + mf * mf / vf)
-            small = np.abs(xi) < 1e-6
-            safe = np.where(small, 1.0, xi)
-            q = np.where(small, -sigma * np.log(pf), sigma / safe * (pf ** -safe - 1.0))
-        out[fit] = q
-    return np.where(m > 0, out, 0.0)
-
-
 def _gamma_isf(p: torch.Tensor, shape: torch.Tensor, scale: torch.Tensor, newton: int = 8) -> torch.Tensor:
-    """The gamma distribution's inverse survival function on the device (SciPy's ``isf`` has no
-    PyTorch twin): Wilson–Hilferty's start, then Newton steps on ``Q(shape, x) = p``."""
+    """The gamma distribution's inverse survival function (SciPy's ``gamma.isf``, which has no
+    PyTorch twin and runs on the host only): Wilson–Hilferty's start, then Newton steps on
+    ``Q(shape, x) = p``."""
     z = torch.special.ndtri(1.0 - p)
     c = 1.0 / (9.0 * shape)
     x = shape * torch.clamp(1.0 - c + z * torch.sqrt(c), min=1e-3) ** 3
@@ -65,9 +45,12 @@ def _gamma_isf(p: torch.Tensor, shape: torch.Tensor, scale: torch.Tensor, newton
     return torch.clamp(x, min=0.0) * scale
 
 
-def quantile_on_device(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, family: str) -> torch.Tensor:
-    """:func:`quantile` on device tensors."""
-    out = -m * torch.log(p)
+def quantile(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, family: str) -> torch.Tensor:
+    """Per entry, the value above which a fraction ``p`` of the distribution ``family``
+    (``exponential``, ``gpareto`` or ``gamma``) fitted by the moments ``m`` (mean) and ``v``
+    (variance) lies; 0 where ``m <= 0``, the exponential's where ``v <= 0``. Float64 tensors on any
+    device: the host path passes its NumPy arrays through it too, so both paths fit alike."""
+    out = -m * torch.log(p)  # exponential: scale = mean
     safe_m, safe_v = torch.where(m > 0, m, 1.0), torch.where(v > 0, v, 1.0)
     if family == "gamma":
         q = _gamma_isf(p, safe_m * safe_m / safe_v, safe_v / safe_m)
@@ -115,7 +98,8 @@ class SIDCo(PeriodicThreshold):
             return "gamma" if stage == 0 else "gpareto"
         return self.distribution
 
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
+    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> np.ndarray:
         """The multi-stage thresholds of the segments ``which``, each with ``effort`` stages fewer,
         every stage one pass over those segments for all of them.
 
@@ -125,12 +109,13 @@ class SIDCo(PeriodicThreshold):
         far too few gets fewer stages, and one that then selects too many is trimmed by the
         hierarchical selection."""
         stages = np.maximum(1, self.stages - effort)
-        p = view.density ** (1.0 / stages)
+        p = torch.tensor([view.density ** (1.0 / n) for n in stages.tolist()], dtype=torch.float64)  # as on the device
         eta = np.zeros(len(which))
         _, m, v = view.exceedance_moments(which, eta, inclusive=True)  # stage 1 fits all of |x|
         going = np.arange(len(which))
         for stage in range(self.stages):
-            eta[going] += quantile(m[going], v[going], p[going], self._family(stage))
+            eta[going] += quantile(torch.from_numpy(m[going]), torch.from_numpy(v[going]), p[going],
+                                   self._family(stage)).numpy()
             going = going[stages[going] > stage + 1]
             if not going.size:
                 break
@@ -139,21 +124,26 @@ class SIDCo(PeriodicThreshold):
             going = going[count >= 2]
         return eta
 
-    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
-        """All ``stages`` of every segment on its device (a segment with fewer than two exceedances
-        stops early, as on the host); corrections are the device path's passes."""
+    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
+        """Every segment with ``stages − effort`` stages for every effort, all segments at once (a
+        segment with fewer than two exceedances stops early, as on the host); stage 1's fit of all
+        of ``|x|`` is shared."""
         a = view.flat.abs()
-        eta = torch.zeros_like(view.max)
-        p = torch.full_like(eta, view.density ** (1.0 / self.stages))
-        going = torch.ones_like(eta, dtype=torch.bool)
-        count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=True)
-        for stage in range(self.stages):
-            n = torch.clamp(count, min=1.0)
-            m = s1 / n
-            v = torch.clamp(s2 / n - m * m, min=0.0)
-            eta = torch.where(going, eta + quantile_on_device(m, v, p, self._family(stage)), eta)
-            if stage + 1 == self.stages:
-                break
-            count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=False)
-            going = going & (count >= 2)
-        return eta
+        first = reference.exceedances(a, torch.zeros_like(view.max), view.table, inclusive=True)
+        table = []
+        for stages in range(self.stages, self.stages - self.max_effort - 1, -1):
+            p = torch.full_like(view.max, view.density ** (1.0 / stages))
+            eta = torch.zeros_like(view.max)
+            going = torch.ones_like(eta, dtype=torch.bool)
+            count, s1, s2 = first
+            for stage in range(stages):
+                n = torch.clamp(count, min=1.0)
+                m = s1 / n
+                v = torch.clamp(s2 / n - m * m, min=0.0)
+                eta = torch.where(going, eta + quantile(m, v, p, self._family(stage)), eta)
+                if stage + 1 == stages:
+                    break
+                count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=False)
+                going = going & (count >= 2)
+            table.append(eta)
+        return torch.stack(table, 1)

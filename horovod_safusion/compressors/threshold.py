@@ -31,7 +31,7 @@ import torch
 from ..segment import Segments
 from .base import Compressor
 from .device import DeviceView, Proposal, SegmentStats, on_host
-from .segmented import Band, IndexScratch, NumbaKernels, Reselection, Steps
+from .segmented import LOWERINGS, Band, IndexScratch, NumbaKernels, Reselection, Steps
 from .state import PerSegment
 
 #: A raised threshold filters the segment's current selection (a gather per selected element)
@@ -171,11 +171,7 @@ class ThresholdCompressor(Compressor):
 
     def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> torch.Tensor:
         if not on_host(flat):
-            proposal = self.propose(flat, segments, step, density)
-            total, finite = proposal.read()
-            if finite:
-                proposal.commit()
-            return proposal.take(total, zero=False)[1]
+            return self.propose(flat, segments, step, density).decide(zero=False)[0][1]
         view = SegmentView(flat, segments, density, self._scratch)
         thr = self.thresholds(view, step)
         view.apply(thr, correction=self.correction(view, step))
@@ -256,43 +252,89 @@ class PeriodicThreshold(ThresholdCompressor):
     state_fields = ("_threshold", "_estimated_at", "_effort")
 
     @abstractmethod
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray) -> np.ndarray:
+    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> np.ndarray:
         """Thresholds on ``|x|`` of the segments ``which`` that select about ``ks`` elements each;
         ``effort`` (0 to :attr:`max_effort`, per segment) counts the earlier estimates of a segment
-        that selected far too few. Called only for segments with ``k > 1``."""
+        that selected far too few. Called only for segments with ``k > 1``. The estimate of a
+        segment must depend on nothing but the segment, its effort and ``step``: the device path
+        estimates every segment at once and keeps those the host would have estimated."""
 
     @abstractmethod
-    def estimate_on_device(self, view: DeviceView) -> torch.Tensor:
-        """The device path's :meth:`estimate`: thresholds of every segment (float64 tensor; those
-        of segments with ``k = 1`` are replaced by their maximum)."""
+    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
+        """:meth:`estimate` of every segment at every effort: a float64 device tensor of shape
+        ``(segments, max_effort + 1)`` (segments with ``k = 1`` are replaced by their maximum)."""
 
     def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """Thresholds estimated for every segment every ``interval`` steps (and for segments never
-        seen), reused in mean-|x| units in between; then ``refine_passes`` compare-and-count passes
-        move each threshold whose count left the band (:meth:`DeviceView.corrected`)."""
-        names = view.segments.names
-        state = self._threshold.on(names, view.flat.device)
-        if step % self.interval == 0 or self._threshold.unseen(names):  # k = 1: the maximum, exactly
-            thr = torch.where(view.k == 1, view.max, self.estimate_on_device(view))
-        else:
-            thr = state * view.unit
-        low, high = (torch.from_numpy(b).to(view.flat.device) for b in self._band(view.k_host))
-        thr = view.corrected(thr, low, high, self.refine_passes)
+        """:meth:`thresholds`, :meth:`correction` and :meth:`refine` as device tensors, every
+        segment through every branch, each keeping the branch the host takes (a per-segment
+        ``torch.where``): the same thresholds, state and selection as the host path."""
+        names, device = view.segments.names, view.flat.device
+        state = self._threshold.on(names, device)
+        estimated_at, effort = self._estimated_at.on(names, device), self._effort.on(names, device)
+        age = step - estimated_at
+        stale = ~((age >= 0) & (age < self.interval))  # never estimated: NaN, stale
+        effort_now = torch.where(stale, 0.0, effort)  # a periodic estimate starts from the base effort
+        fresh = torch.where(stale, float(step), estimated_at)
+        estimates = torch.where(view.k[:, None] == 1, view.max[:, None], self.estimate_on_device(view, step))
+        estimate = estimates.gather(1, effort_now.long()[:, None]).squeeze(1)
+        relative = torch.where(stale, estimate / view.unit, state)
+        low, high = (torch.from_numpy(b).to(device) for b in self._band(view.k_host))
+        first = view.applied(torch.where(stale, estimate, state * view.unit))
+        applied, counts = self._within_band(view, first, view.live & (fresh != step), low, high)
+        relative = torch.where(applied != first, applied.double() / view.unit, relative)
+        for _ in range(self.refine_passes):  # :meth:`refine`
+            too_many = view.live & (counts > high)
+            too_few = view.live & (counts < low) & (effort_now < self.max_effort)
+            effort_now = effort_now + (too_few & (fresh == step)).double()
+            new = torch.where(too_many, view.kth, estimates.gather(1, effort_now.long()[:, None]).squeeze(1))
+            again = too_many | too_few
+            relative = torch.where(again, new / view.unit, relative)
+            fresh = torch.where(too_few, float(step), fresh)
+            applied = torch.where(again, view.applied(new), applied)
+            counts = torch.where(again, view.count(applied), counts)
 
-        def commit(counts: torch.Tensor) -> None:
-            state.copy_(thr / view.unit)
-            self._threshold.mark(names)
+        def commit(_: torch.Tensor) -> None:
+            state.copy_(relative)
+            estimated_at.copy_(fresh)
+            effort.copy_(effort_now)
+            for kept in (self._threshold, self._estimated_at, self._effort):
+                kept.mark(names)
 
-        return view.propose(thr, commit)
+        return view.propose(applied.double(), commit)
 
-    def _estimate(self, view: SegmentView, which: np.ndarray, step: int) -> None:
+    @staticmethod
+    def _within_band(view: DeviceView, applied: torch.Tensor, lower: torch.Tensor, low: torch.Tensor,
+                     high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device path's selection pass with its :class:`Band`
+        (:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_within`): where
+        ``lower`` and too few, the threshold lowered along the exponential tail up to three times;
+        then too many (or, lowered, more than k) trimmed to the k-th largest. The applied
+        thresholds and their counts."""
+        counts = view.count(applied)
+        lowered = torch.zeros_like(lower)
+        for _ in range(LOWERINGS):
+            go = lower & (counts < low) & (applied > 0)
+            down = torch.clamp(applied.double() - view.unit * torch.log(view.k / torch.clamp(counts, min=1.0)), min=0.0)
+            applied = torch.where(go, down.to(applied.dtype), applied)
+            counts = torch.where(go, view.count(applied), counts)
+            lowered = lowered | go
+        trim = view.live & ((counts > high) | (lowered & (counts > view.k)))
+        applied = torch.where(trim, view.kth.to(applied.dtype), applied)
+        return applied, torch.where(trim, view.count(applied), counts)
+
+    def _estimate(self, view: SegmentView, which: np.ndarray, step: int) -> np.ndarray:
+        """New estimates of the segments ``which`` at their effort, kept in mean-|x| units; the
+        thresholds as estimated."""
         names = view.segments.names
         ks, thr = view.k[which], view.max[which]  # k = 1: the exact threshold is the maximum
         est = ks > 1
         if est.any():
-            thr[est] = self.estimate(view, which[est], ks[est], self._effort.of(names)[which[est]].astype(np.int64))
+            thr[est] = self.estimate(view, which[est], ks[est], self._effort.of(names)[which[est]].astype(np.int64),
+                                     step)
         self._threshold.of(names)[which] = thr / self._unit[which]
         self._estimated_at.of(names)[which] = step
+        return thr
 
     def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
         names = view.segments.names
@@ -300,8 +342,9 @@ class PeriodicThreshold(ThresholdCompressor):
         age = step - self._estimated_at.of(names)
         stale = np.flatnonzero(~((age >= 0) & (age < self.interval)))  # never estimated: NaN, stale
         self._effort.of(names)[stale] = 0  # a periodic estimate starts from the base effort
-        self._estimate(view, stale, step)
-        return self._threshold.of(names) * self._unit
+        thr = self._threshold.of(names) * self._unit
+        thr[stale] = self._estimate(view, stale, step)  # as estimated (``/ unit · unit`` may move it an ulp)
+        return thr
 
     def _band(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The counts a segment with target ``k`` may select: ``[k / drift − 1, drift · (k + 1)]``."""
@@ -325,10 +368,10 @@ class PeriodicThreshold(ThresholdCompressor):
             if not too_many.size and not too_few.size:
                 return
             if too_many.size:  # DGC's hierarchical selection: the k-th largest among the candidates
-                kth = view.kth_largest_selected(too_many, ks[too_many])
-                self._threshold.of(names)[too_many] = kth / self._unit[too_many]
+                thresholds[too_many] = view.kth_largest_selected(too_many, ks[too_many])
+                self._threshold.of(names)[too_many] = thresholds[too_many] / self._unit[too_many]
             # far too high: estimated anew, harder if the estimate was fresh, and as hard from now on
             effort[too_few[self._estimated_at.of(names)[too_few] == step]] += 1
-            self._estimate(view, too_few, step)
-            view.apply(self._threshold.of(names) * self._unit, np.concatenate([too_many, too_few]))
+            thresholds[too_few] = self._estimate(view, too_few, step)
+            view.apply(thresholds, np.concatenate([too_many, too_few]))
             counts = view.counts()

@@ -16,13 +16,15 @@ Which path runs: the host path (:mod:`.host`, compiled by Numba) for CPU float32
 unless ``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends them down the device path (tests, benchmarks).
 On the device path ``HOROVOD_SAFUSION_KERNELS=torch`` or ``triton`` forces one implementation (the
 tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``); otherwise Triton for
-CUDA tensors when it is installed, PyTorch otherwise. Triton is imported only when chosen.
+CUDA tensors when it is installed, PyTorch otherwise. Triton is imported only when chosen. Both
+variables are read once, at the first selection (:func:`paths`), not on every call.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -33,22 +35,47 @@ from .blocks import BlockTable, block_table
 from . import host, reference
 
 __all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "scatter_add", "decode_rows",
-           "uses_triton", "on_host"]
+           "uses_triton", "on_host", "paths", "reread", "Paths"]
 
 CHOICES = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Which path and which kernels run, read from the environment once (:func:`paths`):
+    ``device_path`` — ``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends CPU float32/float64 buffers down
+    the device path too; ``kernels`` — ``HOROVOD_SAFUSION_KERNELS``, ``""`` (Triton for CUDA
+    tensors where it is installed) or one of :data:`CHOICES`."""
+
+    device_path: bool
+    kernels: str
+
+
+@functools.lru_cache(maxsize=None)
+def paths() -> Paths:
+    """The :class:`Paths` of this process, read at the first selection (set the variables before
+    it; :func:`reread` reads them again)."""
+    forced = os.environ.get("HOROVOD_SAFUSION_KERNELS", "")
+    if forced and forced not in CHOICES:
+        raise ValueError(f"HOROVOD_SAFUSION_KERNELS must be one of {CHOICES}, got {forced!r}")
+    return Paths(device_path=os.environ.get("HOROVOD_SAFUSION_DEVICE_PATH", "0") == "1", kernels=forced)
+
+
+def reread() -> Paths:
+    """Read the variables of :class:`Paths` again (tests and benchmarks that switch paths)."""
+    paths.cache_clear()
+    return paths()
 
 
 def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` (a buffer, a gradient) takes the host path: CPU float32 or float64, and
     ``HOROVOD_SAFUSION_DEVICE_PATH`` is not ``1``."""
-    return host.handles(t) and os.environ.get("HOROVOD_SAFUSION_DEVICE_PATH", "0") != "1"
+    return host.handles(t) and not paths().device_path
 
 
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether the Triton kernels handle ``t``."""
-    forced = os.environ.get("HOROVOD_SAFUSION_KERNELS", "")
-    if forced and forced not in CHOICES:
-        raise ValueError(f"HOROVOD_SAFUSION_KERNELS must be one of {CHOICES}, got {forced!r}")
+    forced = paths().kernels
     if forced:
         return forced == "triton"
     return t.is_cuda and _triton_installed()

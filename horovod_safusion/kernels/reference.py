@@ -49,6 +49,45 @@ def exceedances(a: torch.Tensor, eta: torch.Tensor, table: BlockTable, inclusive
     return _per_segment(w.double(), table), _per_segment(y, table), _per_segment(y * y, table)
 
 
+#: Bits of a magnitude's IEEE pattern ranked per radix pass (the host's ``_kth_bits`` takes as many).
+RADIX_BITS = 12
+_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def kth_largest(values: torch.Tensor, groups: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """Per group ``g``, the ``ks[g]``-th largest ``|values|`` among the elements with
+    ``groups == g`` (``ks`` int64, clamped by the caller to ``[1, the group's size]``; an empty
+    group gives 0), in ``values``' dtype, exactly: a radix selection on the magnitudes' IEEE bits
+    (which order them as the floats do), :data:`RADIX_BITS` bits per pass — a histogram per group
+    of the elements whose higher bits match the bins found so far, for every group at once, with
+    no boolean mask and no ``bincount`` (both read a size back to the host). The host path's
+    ``NumbaKernels.kth_largest`` selects the same way, segment by segment."""
+    count = ks.numel()
+    nbits = 8 * values.element_size() - 1
+    wide = torch.int64 if nbits > 31 else torch.int32  # float32 and narrower: int32 throughout
+    bits = values.view(_SIGNED[values.element_size()]).to(wide) & ((1 << nbits) - 1)
+    groups = groups.to(wide if count << RADIX_BITS < 2 ** 31 else torch.int64)
+    prefix = torch.zeros(count, dtype=wide, device=values.device)
+    need = ks.to(torch.int64)
+    one = torch.ones(1, dtype=torch.int64, device=values.device).expand(values.numel())
+    shift = nbits
+    while shift > 0:
+        width = min(RADIX_BITS, shift)
+        shift -= width
+        bins = 1 << width
+        high = shift + width  # bits at and above it are fixed by the prefix
+        keys = ((bits >> shift) & (bins - 1)).to(groups.dtype).add_(groups, alpha=bins)
+        keys.masked_fill_((bits >> high) != (prefix >> high)[groups], count * bins)  # a spare bin
+        hist = torch.zeros(count * bins + 1, dtype=torch.int64, device=values.device)
+        hist = hist.index_add_(0, keys, one)[:-1].view(count, bins)
+        at_or_above = hist.flip(1).cumsum(1).flip(1)  # per bin b: elements in bins >= b
+        b = torch.clamp((at_or_above >= need[:, None]).sum(1) - 1, min=0)  # the highest b holding the k-th
+        above = torch.cat([at_or_above, at_or_above.new_zeros(count, 1)], 1).gather(1, (b + 1)[:, None]).squeeze(1)
+        need = need - above
+        prefix = prefix | (b.to(wide) << shift)
+    return prefix.to(_SIGNED[values.element_size()]).view(values.dtype)
+
+
 class Selection:
     """``|x| >= thresholds[segment]`` (and not an exact zero) over one buffer: counts now, the
     selected elements once the caller knows how many there are."""

@@ -10,7 +10,8 @@ Which path selects is chosen once per plan, from the buffer's dtype and device:
 * :class:`DeviceSelection` — GPU buffers and half precision: the compressor proposes a selection
   on the device; the buffer is read back once — its selected count, which sizes the collective,
   together with whether the fill dropped non-finite elements — then the compressor's state
-  commits and the selection is taken (straight into the wire rows where the kernels write them).
+  commits (if nothing was dropped) and the selection is taken (straight into the wire rows where
+  the kernels write them).
 
 When Horovod's wire compression rounds values (``Compression.fp16``), the selected values are
 rounded here, before the collective, and what rounding dropped stays in the residual, so
@@ -79,12 +80,10 @@ class DeviceSelection(Selection):
 
     def select(self, buf: FusionBuffer, step: int, density: float) -> Selected:
         proposal = self.compressor.propose(buf.flat, buf.selection, step, density, stats=buf.stats)
-        if isinstance(buf.dropped, torch.Tensor):  # read along with the count
-            proposal.finite = proposal.finite & (buf.dropped == 0)
-        total, finite = proposal.read()  # the one host synchronisation of this buffer
+        dropped = buf.dropped if isinstance(buf.dropped, torch.Tensor) else None  # read along with the count
+        selected, finite = proposal.decide(dropped=dropped)  # the one host synchronisation of this buffer
         buf.poisoned = not finite
-        proposal.commit()
-        return proposal.take(total)
+        return selected
 
 
 def selection_for(buf: FusionBuffer, compressor: Compressor, compression: Any) -> Selection:

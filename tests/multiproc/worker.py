@@ -241,11 +241,14 @@ def scenario_device_path():
     aggregate is the mean of what left every rank (``before + g − after``); records the final
     parameters' checksum (ranks must agree bit for bit)."""
     out = {}
+    from horovod_safusion import kernels as paths
+
     saved = {k: os.environ.get(k) for k in ("HOROVOD_SAFUSION_DEVICE_PATH", "HOROVOD_SAFUSION_KERNELS")}
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
     try:
         for kernels in ("torch", "triton"):
             os.environ["HOROVOD_SAFUSION_DEVICE_PATH"], os.environ["HOROVOD_SAFUSION_KERNELS"] = "1", kernels
+            paths.reread()
             m = make(width=16)
             opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                            compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384),
@@ -276,6 +279,7 @@ def scenario_device_path():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        paths.reread()
     return out
 
 

@@ -128,11 +128,10 @@ def test_exdyna_communicator_reports_the_jobs_count_and_leaves_the_compressor_al
     assert comp._threshold["w"] == pytest.approx(delta * float(comp._factor(indices.numel() / 8)), rel=1e-12)
 
 
-def test_exdyna_device_path_feeds_back_on_every_segment(monkeypatch):
+def test_exdyna_device_path_feeds_back_on_every_segment(paths):
     """On the device path the commit names every segment (which are all-zero is known only on the
     device), with the target of them all; a selection never committed is never fed back."""
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", "torch")
+    paths(device_path=True, kernels_="torch")
     torch.manual_seed(0)
     comp = make_compressor("exdyna", 0.1)
     comp.scaled_globally()

@@ -209,13 +209,11 @@ def test_redsync_bisection_lands_in_k_to_2k_and_reuses_the_ratio():
 def test_sidco_tail_quantiles_and_stages():
     g = torch.Generator().manual_seed(3)
     e = torch.empty(1_000_000).exponential_(2.0, generator=g)  # mean 0.5
-    m, v = np.array([float(e.double().mean())]), np.array([float(e.double().var(unbiased=False))])
-    expected = -0.5 * math.log(0.01)
-    assert quantile(m, v, np.array([0.01]), "exponential")[0] == pytest.approx(expected, rel=0.01)
-    assert quantile(m, v, np.array([0.01]), "gpareto")[0] == pytest.approx(expected, rel=0.05)  # ξ ≈ 0
-    assert quantile(m, v, np.array([0.01]), "gamma")[0] == pytest.approx(expected, rel=0.05)  # shape ≈ 1
-    assert quantile(np.array([0.0, 1.0]), np.array([1.0, 0.0]), np.array([0.01, 0.01]), "gpareto").tolist() == \
-        [0.0, pytest.approx(-math.log(0.01))]  # no magnitude: 0; no spread: the exponential's
+    m, v = e.double().mean().reshape(1), e.double().var(unbiased=False).reshape(1)
+    expected, p = -0.5 * math.log(0.01), torch.tensor([0.01], dtype=torch.float64)
+    assert float(quantile(m, v, p, "exponential")[0]) == pytest.approx(expected, rel=0.01)
+    assert float(quantile(m, v, p, "gpareto")[0]) == pytest.approx(expected, rel=0.05)  # ξ ≈ 0
+    assert float(quantile(m, v, p, "gamma")[0]) == pytest.approx(expected, rel=0.05)  # shape ≈ 1
     s = segs(1_000_000)
     for dist in ("exponential", "gpareto", "gamma-gpareto"):
         n = s.counts(SIDCo(0.001, distribution=dist, stages=2).select(e, s, 0))[0].item()
@@ -243,48 +241,63 @@ def test_topk_batched_path_equals_per_segment_topk():
     assert idx == expect
 
 
-def _carried(name: str, steps: int = 12) -> list[torch.Tensor]:
+def _carried(name: str, steps: int = 12, dtype: torch.dtype = torch.float32,
+             density: float = 0.01) -> tuple[list[torch.Tensor], dict]:
     """A compressor's selections step after step, with residuals carried as the controller
-    carries them (so reused thresholds and corrections are exercised)."""
-    c = make_compressor(name, 0.01)
-    s, residual, out = segs(50_000, 3_000, 700, 64, 5), torch.zeros(53_769), []
+    carries them (so reused thresholds and corrections are exercised), and its per-segment state
+    in the end. The segments differ in scale and shape: one is all zero; one is uniform (a light
+    tail, where fitted tails select far too few); one has fewer nonzeros than k (an embedding's
+    gradient: sampled thresholds are zero and select too few, effort after effort); one is
+    Cauchy and one mostly tiny with rare spikes (where a new estimate with more effort selects
+    too many); one changes its shape from step to step (Gaussian, then heavy-tailed), so that
+    reused thresholds select too many and too few."""
+    c = make_compressor(name, density)
+    s = segs(50_000, 3_000, 700, 64, 5, 20_000, 8_000, 30_000, 20_000, 20_000)
+    heavy, uniform, sparse, cauchy, spiky = s.offsets[5:]
+    residual, out = torch.zeros(s.numel, dtype=dtype), []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        flat = torch.randn(53_769, generator=g) * torch.repeat_interleave(
-            torch.tensor([1.0, 0.01, 3.0, 0.5, 0.0]), torch.tensor(s.sizes)) + residual
+        scale = torch.repeat_interleave(torch.tensor([1.0, 0.01, 3.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0], dtype=dtype),
+                                        torch.tensor(s.sizes))
+        scale[heavy:uniform] *= torch.exp(torch.randn(20_000, generator=g, dtype=dtype) * (step % 3))
+        scale[cauchy:spiky] /= torch.randn(20_000, generator=g, dtype=dtype).abs()  # a ratio of normals
+        scale[spiky:] *= torch.where(torch.rand(20_000, generator=g) < 0.004, 5.0, 0.001).to(dtype)
+        flat = torch.randn(s.numel, generator=g, dtype=dtype) * scale + residual
+        flat[uniform:sparse] += torch.rand(8_000, generator=g, dtype=dtype)
+        flat[sparse + torch.randperm(30_000, generator=g)[:100]] += 1.0
         idx = c.select(flat, s, step)
         residual = flat.index_fill(0, idx, 0)
         out.append(idx)
-    return out
+    state = {f: [v for n, v in sorted(getattr(c, f).items())] for f in c.state_fields}
+    return out, state
 
 
-@pytest.mark.parametrize("name", ["exdyna", "gaussiank", "redsync"])
-def test_device_path_selects_as_the_host_path(name, monkeypatch):
+THRESHOLD_COMPRESSORS = ["dgc", "exdyna", "gaussiank", "redsync", "sidco"]
+
+
+def test_the_list_names_every_threshold_compressor():
+    from horovod_safusion.compressors import COMPRESSORS
+    from horovod_safusion.compressors.threshold import ThresholdCompressor
+    assert sorted(n for n in available_compressors()
+                  if issubclass(COMPRESSORS.get(n), ThresholdCompressor)) == THRESHOLD_COMPRESSORS
+
+
+@pytest.mark.parametrize("dtype,density", [(torch.float32, 0.01), (torch.float64, 0.01), (torch.float32, 0.001)])
+@pytest.mark.parametrize("name", THRESHOLD_COMPRESSORS)
+def test_device_path_selects_as_the_host_path(name, dtype, density, paths):
     """CPU buffers select in compiled loops; GPU buffers take the device path
-    (``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends CPU buffers there too). Where the algorithm has no
-    host-only branch, both select the same elements, step after step."""
-    host = _carried(name)
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-    for a, b in zip(host, _carried(name)):
+    (``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends CPU buffers there too), which takes every branch for
+    every segment and keeps the host's. Both select the same elements, step after step — through
+    reused thresholds, DGC's and SIDCo's trims, lowerings and new estimates with more effort,
+    and DGC's periodic estimate at step 10 — and end with the same state."""
+    host, host_state = _carried(name, dtype=dtype, density=density)
+    paths(device_path=True)
+    device, device_state = _carried(name, dtype=dtype, density=density)
+    for step, (a, b) in enumerate(zip(host, device)):
         assert a.dtype == b.dtype == torch.int64
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("name", ["dgc", "sidco"])
-def test_device_path_corrections_hold_the_density(name, monkeypatch):
-    """DGC's and SIDCo's corrections differ on the device (compare-and-count passes instead of
-    trimming and escalation, re-estimation every ``interval`` steps): every step, the buffer and
-    each segment with a target of at least 30 select within a factor of about two of their
-    target (smaller targets are noisy: the host trims them exactly, the device does not)."""
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-    s = segs(50_000, 3_000, 700, 64, 5)
-    ks = s.k(0.01)[:2].double()
-    for step, idx in enumerate(_carried(name)):
-        counts = s.counts(idx)
-        ratio = counts[:2].double() / ks
-        assert bool(((ratio >= 0.4) & (ratio <= 2.5)).all()), (step, ratio.tolist())
-        assert 0.5 <= idx.numel() / int(s.k(0.01)[:4].sum()) <= 2.0, step
-        assert bool((counts[:4] > 0).all()) and int(counts[4]) == 0  # the all-zero segment sends nothing
+        assert torch.equal(a, b), (step, a.numel(), b.numel())
+    for field, values in host_state.items():
+        np.testing.assert_allclose(device_state[field], values, rtol=1e-9, err_msg=field)
 
 
 def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
@@ -355,11 +368,11 @@ def test_topk_is_exact_with_ties_and_zeros(sizes, density, dtype, seed):
             assert a[t].min() >= a[~t].max()
 
 
-def test_topk_compiled_and_torch_select_the_same(monkeypatch):
+def test_topk_compiled_and_torch_select_the_same(paths):
     s, flat = gaussian_segments()
     flat[-16:] = torch.arange(1.0, 17.0)  # no ties (an all-zero segment would tie: either zero may go)
     compiled = set(TopK(0.01).select(flat, s, 0).tolist())
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
+    paths(device_path=True)
     assert set(TopK(0.01).select(flat, s, 0).tolist()) == compiled
 
 
@@ -441,11 +454,11 @@ def test_selection_pass_steps_thresholds_into_the_band():
 
 @pytest.mark.parametrize("device_path", [False, True])
 @pytest.mark.parametrize("name", ["dgc", "gaussiank", "redsync", "sidco", "exdyna"])
-def test_threshold_compressors_never_send_exact_zeros(name, device_path, monkeypatch):
+def test_threshold_compressors_never_send_exact_zeros(name, device_path, paths):
     """An embedding-like segment whose gradient is zero outside a few rows, with fewer nonzeros than
     k: step after step (residuals carried, so thresholds are reused and lowered), no selected
     element is zero, so the segment sends its nonzeros, never itself whole."""
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1" if device_path else "0")
+    paths(device_path=device_path)
     c = make_compressor(name, 0.05)
     s = segs(100 * 64, 4_000)
     residual = torch.zeros(s.numel)
@@ -478,15 +491,45 @@ def test_exdyna_scales_each_tensor_by_its_own_count():
 
 
 @pytest.mark.parametrize("family", ["exponential", "gpareto", "gamma"])
-def test_sidco_device_quantiles_equal_the_host_ones(family):
-    """The device path's fits (``quantile_on_device``; the gamma's inverse by Newton steps, which
-    PyTorch lacks) give SciPy's quantiles, including the degenerate moments."""
-    from horovod_safusion.compressors.sidco import quantile, quantile_on_device
+def test_sidco_quantiles_equal_scipys(family):
+    """SIDCo's one fit for both paths (``quantile``, in PyTorch; the gamma's inverse by Newton
+    steps, which PyTorch lacks) gives SciPy's quantiles of the moment-fitted distributions, and the
+    degenerate moments their documented values."""
+    from scipy import stats
 
     g = np.random.default_rng(3)
-    m = np.concatenate([g.uniform(0.01, 2.0, 40), [0.0, 1.0, 0.5]])
-    v = np.concatenate([m[:40] ** 2 * g.uniform(0.2, 3.0, 40), [1.0, 0.0, 0.25]])  # shapes 0.33–5
-    p = np.concatenate([g.uniform(0.001, 0.3, 40), [0.1, 0.1, 0.01]])
-    host = quantile(m, v, p, family)
-    device = quantile_on_device(*(torch.from_numpy(a) for a in (m, v, p)), family).numpy()
-    np.testing.assert_allclose(device, host, rtol=1e-6, atol=1e-12)
+    m = g.uniform(0.01, 2.0, 40)
+    v = m ** 2 * g.uniform(0.2, 3.0, 40)  # gamma shapes 0.33–5
+    p = g.uniform(0.001, 0.3, 40)
+    if family == "exponential":
+        expected = stats.expon.isf(p, scale=m)
+    elif family == "gamma":
+        expected = stats.gamma.isf(p, m * m / v, scale=v / m)
+    else:
+        expected = stats.genpareto.isf(p, 0.5 * (1 - m * m / v), scale=0.5 * m * (1 + m * m / v))
+    got = quantile(*(torch.from_numpy(a) for a in (m, v, p)), family).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    degenerate = quantile(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]), torch.tensor([0.1, 0.1]), family)
+    assert degenerate.tolist() == [0.0, pytest.approx(-math.log(0.1))]  # no magnitude: 0; no spread: exponential
+
+
+def test_dgc_samples_a_segment_alike_whatever_is_sampled_with_it():
+    """DGC's draws are a hash of (seed, step, segment, effort, draw): a segment's sample is the
+    same alone or beside others (the host samples the segments it estimates, the device all of
+    them), stays inside its segment, and covers it evenly; another step or effort draws anew."""
+    from horovod_safusion.compressors.dgc import sample_positions
+
+    cpu = torch.device("cpu")
+    keys, efforts = np.array([11, 22, 33]), np.array([0, 2, 1])
+    offsets, sizes, counts = np.array([0, 1000, 1007]), np.array([1000, 7, 90_000]), np.array([50, 3, 20_000])
+    together = sample_positions(0, 5, keys, efforts, offsets, sizes, counts, cpu)
+    alone = sample_positions(0, 5, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:], cpu)
+    assert torch.equal(together[53:], alone)
+    runs = torch.split(together, counts.tolist())
+    for run, o, n in zip(runs, offsets.tolist(), sizes.tolist()):
+        assert bool(((run >= o) & (run < o + n)).all())
+    tenths = torch.bincount((alone - 1007) * 10 // 90_000, minlength=10)
+    assert int(tenths.min()) > 0.9 * 2000 and int(tenths.max()) < 1.1 * 2000, tenths.tolist()
+    assert not torch.equal(alone, sample_positions(0, 6, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:], cpu))
+    assert not torch.equal(alone, sample_positions(0, 5, keys[2:], efforts[2:] + 1, offsets[2:], sizes[2:], counts[2:],
+                                                   cpu))

@@ -101,15 +101,14 @@ def test_the_counter_counts_what_synchronises(monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("compressor", available_compressors())
-def test_at_most_one_host_read_per_buffer(hvd, compressor, kernels, monkeypatch):
+def test_at_most_one_host_read_per_buffer(hvd, compressor, kernels, paths):
     """Every compressor: during back-propagation (the hooks launch each buffer when it is full) at
     most one host read per buffer — its selected count, which sizes its collective — and the same
     bound for ``synchronize()``'s decode and write-back; steps after the first, when layouts and
     thresholds exist (the first step builds them: its reads are counted too, and bounded alike)."""
     if kernels == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", kernels)
+    paths(device_path=True, kernels_=kernels)
     torch.manual_seed(0)
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)
@@ -153,7 +152,7 @@ def test_the_host_path_would_not_pass(hvd, monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("compressor", ["dgc", "topk", "exdyna"])
-def test_device_path_conserves_every_element(hvd, compressor, kernels, monkeypatch):
+def test_device_path_conserves_every_element(hvd, compressor, kernels, paths):
     """Error feedback on the device path, with the selection written straight into the wire and
     zeroed in the buffer by the kernels: ``residual_after + sent == residual_before + grad`` per
     parameter, exactly (one worker: what is sent arrives unscaled)."""
@@ -161,8 +160,7 @@ def test_device_path_conserves_every_element(hvd, compressor, kernels, monkeypat
         pytest.importorskip("triton")
     from test_error_feedback import run_steps
 
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", kernels)
+    paths(device_path=True, kernels_=kernels)
     planner = NaivePlanner(capacity_bytes=4096)
     for opt, model, _ in run_steps(hvd, steps=3, compressor=compressor, density=0.02, fusion=planner):
         assert opt.last_stats.missing == 0 and 0 < opt.last_stats.density < 0.2
@@ -171,13 +169,13 @@ def test_device_path_conserves_every_element(hvd, compressor, kernels, monkeypat
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("device_path", [False, True])
 @pytest.mark.parametrize("compressor", [c for c in available_compressors() if c != "none"])
-def test_an_empty_tensor_selects_nothing_and_changes_nothing(compressor, device_path, monkeypatch):
+def test_an_empty_tensor_selects_nothing_and_changes_nothing(compressor, device_path, paths):
     """A parameter with no elements is a segment of size 0: it selects nothing, the others select
     as without it, and nothing warns (no 0/0 in a segment's mean) — on both paths."""
     from horovod_safusion.compressors import make_compressor
     from horovod_safusion.segment import Segments
 
-    monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1" if device_path else "0")
+    paths(device_path=device_path)
 
     def run(segments):
         c = make_compressor(compressor, 0.02)

@@ -81,7 +81,7 @@ def test_dense_compressor_sends_the_gradient_unchanged(hvd):
 
 
 @pytest.mark.parametrize("path", ["host", "torch", "triton"])
-def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, monkeypatch):
+def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, paths):
     """A conv layer frozen at step 2 and unfrozen at step 5, and a step() without backward at step
     3 (SGD with momentum): what got no gradient moves by nothing and keeps its residual bit for
     bit, and the kept residual joins the gradient once the layer is unfrozen —
@@ -90,8 +90,7 @@ def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, monke
     if path != "host":
         if path == "triton":
             pytest.importorskip("triton")
-        monkeypatch.setenv("HOROVOD_SAFUSION_DEVICE_PATH", "1")
-        monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", path)
+        paths(device_path=True, kernels_=path)
     torch.manual_seed(0)
     x, y, _, _ = load_digits_split()
     model = DigitsCNN(width=8)

@@ -63,6 +63,7 @@ def triton_kernels():
     function-scoped ``monkeypatch``)."""
     before = os.environ.get("HOROVOD_SAFUSION_KERNELS")
     os.environ["HOROVOD_SAFUSION_KERNELS"] = "triton"
+    kernels.reread()
     try:
         yield
     finally:
@@ -70,6 +71,7 @@ def triton_kernels():
             del os.environ["HOROVOD_SAFUSION_KERNELS"]
         else:
             os.environ["HOROVOD_SAFUSION_KERNELS"] = before
+        kernels.reread()
 
 
 @SETTINGS
@@ -184,14 +186,14 @@ def test_decode_adds_every_rank_s_rows_into_the_segments_like_index_add(dtype, r
         assert bool(((out - exact).abs() <= bound).all()), float(((out - exact).abs() - bound).max())
 
 
-def test_rows_and_indices_keep_their_bits_at_large_offsets(monkeypatch):
+def test_rows_and_indices_keep_their_bits_at_large_offsets(paths):
     """Index bits above 2**24 (where a float32 index would round) and an empty selection."""
     n = (1 << 24) + 40
     x = torch.zeros(n)
     x[[0, (1 << 24) + 1, (1 << 24) + 39]] = torch.tensor([2.0, -3.0, 5.0])
     segments = Segments(("big",), (n,))
     table = kernels.block_table(segments, torch.device("cpu"), 1 << 16)
-    monkeypatch.setenv("HOROVOD_SAFUSION_KERNELS", "triton")
+    paths(kernels_="triton")
     sel = kernels.selection(x.clone(), torch.tensor([1.0]), table)
     _, idx, rows = sel.take(int(sel.total))
     assert idx.tolist() == [0, (1 << 24) + 1, (1 << 24) + 39]
@@ -200,3 +202,25 @@ def test_rows_and_indices_keep_their_bits_at_large_offsets(monkeypatch):
     assert out[(1 << 24) + 1] == -3.0 and float(out.sum()) == 4.0
     empty = kernels.selection(x.clone(), torch.tensor([float("inf")]), table)
     assert int(empty.total) == 0 and empty.take(0)[2].shape == (0, wire.row_bytes(torch.float32))
+
+
+@SETTINGS
+@given(case=buffers(), share=st.floats(0.0, 1.0))
+def test_kth_largest_by_radix_equals_sorting(case, share):
+    """The device path's k-th largest ``|x|`` of every segment at once (a radix selection on the
+    magnitudes' bits, with ties, zeros, half precision and empty segments) is the sorted
+    magnitudes' k-th, and, for float32 and float64, the host kernel's."""
+    from horovod_safusion.compressors.segmented import NumbaKernels
+
+    x, segments, table, _ = case
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # buffers are finite when selected
+    sizes = segments.size_array
+    ks = np.clip(np.round(share * sizes).astype(np.int64), 1, np.maximum(sizes, 1))
+    got = reference.kth_largest(x, table.seg_ids(), torch.from_numpy(ks))
+    assert got.dtype == x.dtype
+    for s, (o, n) in enumerate(zip(segments.offsets, sizes.tolist())):
+        want = torch.sort(x[o:o + n].abs(), descending=True).values[ks[s] - 1] if n else x.new_zeros(())
+        assert got[s] == want, (s, n, ks[s])
+    if x.dtype in (torch.float32, torch.float64):
+        host = NumbaKernels.kth_largest(x.numpy(), segments.offset_array, sizes, ks)
+        np.testing.assert_array_equal(got.double().numpy(), host)
