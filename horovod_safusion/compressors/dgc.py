@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zlib
 from functools import lru_cache
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -28,11 +29,12 @@ from .threshold import PeriodicThreshold, SegmentView
 EXACT_SHARE = 16
 
 _M32 = 0xFFFFFFFF
+Ints = TypeVar("Ints", np.ndarray, torch.Tensor)
 
 
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values below
-    2^32; the multipliers are below 2^31, so no product leaves int64."""
+def _mix(h: Ints) -> Ints:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 NumPy arrays or tensors holding
+    values below 2^32; the multipliers are below 2^31, so no product leaves int64."""
     h = h ^ (h >> 16)
     h = (h * 0x7FEB352D) & _M32
     h = h ^ (h >> 15)
@@ -47,25 +49,34 @@ def _keys(names: tuple[str, ...]) -> np.ndarray:
     return np.array([zlib.crc32(n.encode()) for n in names], dtype=np.int64)
 
 
+def _per_draw(values: np.ndarray, counts: np.ndarray, device: torch.device | None) -> Ints:
+    """``values[g]`` repeated ``counts[g]`` times: a NumPy array, or a tensor on ``device``
+    (sized on the host: nothing is read back)."""
+    if device is None:
+        return np.repeat(values, counts)
+    return torch.repeat_interleave(torch.from_numpy(values).to(device), torch.from_numpy(counts).to(device),
+                                   output_size=int(counts.sum()))
+
+
 def sample_positions(seed: int, step: int, keys: np.ndarray, efforts: np.ndarray, offsets: np.ndarray,
-                     sizes: np.ndarray, counts: np.ndarray, device: torch.device) -> torch.Tensor:
+                     sizes: np.ndarray, counts: np.ndarray, device: torch.device | None = None) -> Ints:
     """Buffer positions of ``counts[g]`` draws, uniform with replacement, in the run of
     ``sizes[g]`` elements at ``offsets[g]``, for every group ``g`` (a segment at an effort),
-    concatenated by group (int64, on ``device``). Counter-based: draw ``j`` of a group is a hash of
-    ``(seed, step, keys[g], efforts[g], j)``, so a segment's sample does not depend on which other
-    segments are sampled with it — the host samples the segments it must estimate, the device
-    every segment at every effort, and both draw the same positions."""
-    base = _mix(torch.tensor([(seed * 0x9E3779B1 + step) & _M32]))
-    salt = _mix((_mix(torch.from_numpy(keys) ^ base) + torch.from_numpy(efforts) * 0x85EBCA77) & _M32).to(device)
-    counts_t = torch.from_numpy(counts).to(device)
+    concatenated by group (int64: a NumPy array on the host, a tensor on ``device``).
+    Counter-based: draw ``j`` of a group is a hash of ``(seed, step, keys[g], efforts[g], j)``, so
+    a segment's sample does not depend on which other segments are sampled with it — the host
+    samples the segments it must estimate, the device every segment at every effort, and both
+    draw the same positions."""
+    base = _mix(np.int64((seed * 0x9E3779B1 + step) & _M32))
+    salt = _mix((_mix(keys ^ base) + efforts * 0x85EBCA77) & _M32)
     total = int(counts.sum())
-    group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=total)
-    j = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(counts_t, 0) - counts_t, counts_t,
-                                                                     output_size=total)
-    h = _mix((salt[group] + j * 0x9E3779B9) & _M32)
-    n = torch.from_numpy(sizes).to(device)[group]
-    start = torch.from_numpy(offsets).to(device)[group]
-    return start + (h.double() * (1.0 / 2 ** 32) * n.double()).long()
+    ordinal = np.arange(total) if device is None else torch.arange(total, device=device)
+    j = ordinal - _per_draw(np.cumsum(counts) - counts, counts, device)  # the draw's number in its group
+    h = _mix((_per_draw(salt, counts, device) + j * 0x9E3779B9) & _M32)
+    u = h.astype(np.float64) if device is None else h.double()  # torch would promote to float32
+    within = u * (1.0 / 2 ** 32) * _per_draw(sizes, counts, device)
+    within = within.astype(np.int64) if device is None else within.long()
+    return _per_draw(offsets, counts, device) + within
 
 
 @register_compressor("dgc")
@@ -122,7 +133,7 @@ class DGC(PeriodicThreshold):
         if sampled.any():
             s, ms = which[sampled], m[sampled]
             idx = sample_positions(self.seed, step, _keys(view.segments.names)[s], effort[sampled], view.offsets[s],
-                                   n[sampled], ms, torch.device("cpu")).numpy()
+                                   n[sampled], ms)
             out[sampled] = view.kth_largest_at(idx, ms, np.ceil(view.density * ms).astype(np.int64))
         return out
 

@@ -19,8 +19,11 @@ and at once when they drift (:class:`~horovod_safusion.compressors.threshold.Per
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
+from scipy import special
 
 from ..kernels import reference
 from .base import register_compressor
@@ -28,42 +31,59 @@ from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 
-def _gamma_isf(p: torch.Tensor, shape: torch.Tensor, scale: torch.Tensor, newton: int = 8) -> torch.Tensor:
-    """The gamma distribution's inverse survival function (SciPy's ``gamma.isf``, which has no
-    PyTorch twin and runs on the host only): Wilson–Hilferty's start, then Newton steps on
-    ``Q(shape, x) = p``."""
-    z = torch.special.ndtri(1.0 - p)
+class _Ops:
+    """The few functions :func:`quantile` needs, from NumPy and SciPy for host arrays or from
+    PyTorch for device tensors, so that the fit is written once and neither path converts."""
+
+    def __init__(self, torch_ops: bool) -> None:
+        if torch_ops:
+            self.log, self.exp, self.where, self.lgamma = torch.log, torch.exp, torch.where, torch.lgamma
+            self.ndtri, self.gammaincc = torch.special.ndtri, torch.special.gammaincc
+        else:
+            self.log, self.exp, self.where, self.lgamma = np.log, np.exp, np.where, special.gammaln
+            self.ndtri, self.gammaincc = special.ndtri, special.gammaincc
+
+
+_HOST, _DEVICE = _Ops(torch_ops=False), _Ops(torch_ops=True)
+_TINY = float(np.finfo(np.float64).tiny)
+
+
+def _gamma_isf(p: Array, shape: Array, scale: Array, ops: _Ops, newton: int = 8) -> Array:
+    """The gamma distribution's inverse survival function (SciPy's ``gamma.isf`` has no PyTorch
+    twin): Wilson–Hilferty's start, then Newton steps on ``Q(shape, x) = p``."""
+    z = ops.ndtri(1.0 - p)
     c = 1.0 / (9.0 * shape)
-    x = shape * torch.clamp(1.0 - c + z * torch.sqrt(c), min=1e-3) ** 3
-    tiny = float(np.finfo(np.float64).tiny)
+    x = shape * (1.0 - c + z * c ** 0.5).clip(min=1e-3) ** 3
     for _ in range(newton):
-        x = torch.clamp(x, min=tiny)
-        pdf = torch.exp((shape - 1.0) * torch.log(x) - x - torch.lgamma(shape))
-        x = x + (torch.special.gammaincc(shape, x) - p) / torch.clamp(pdf, min=tiny)
-    return torch.clamp(x, min=0.0) * scale
+        x = x.clip(min=_TINY)
+        pdf = ops.exp((shape - 1.0) * ops.log(x) - x - ops.lgamma(shape))
+        x = x + (ops.gammaincc(shape, x) - p) / pdf.clip(min=_TINY)
+    return x.clip(min=0.0) * scale
 
 
-def quantile(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, family: str) -> torch.Tensor:
+def quantile(m: Array, v: Array, p: Array, family: str) -> Array:
     """Per entry, the value above which a fraction ``p`` of the distribution ``family``
     (``exponential``, ``gpareto`` or ``gamma``) fitted by the moments ``m`` (mean) and ``v``
-    (variance) lies; 0 where ``m <= 0``, the exponential's where ``v <= 0``. Float64 tensors on any
-    device: the host path passes its NumPy arrays through it too, so both paths fit alike."""
-    out = -m * torch.log(p)  # exponential: scale = mean
-    safe_m, safe_v = torch.where(m > 0, m, 1.0), torch.where(v > 0, v, 1.0)
+    (variance) lies; 0 where ``m <= 0``, the exponential's where ``v <= 0``. Float64 NumPy arrays
+    (the host path) or device tensors (the device path): one formula for both."""
+    ops = _DEVICE if isinstance(m, torch.Tensor) else _HOST
+    out = -m * ops.log(p)  # exponential: scale = mean
+    safe_m, safe_v = ops.where(m > 0, m, 1.0), ops.where(v > 0, v, 1.0)
     if family == "gamma":
-        q = _gamma_isf(p, safe_m * safe_m / safe_v, safe_v / safe_m)
+        q = _gamma_isf(p, safe_m * safe_m / safe_v, safe_v / safe_m, ops)
     elif family == "gpareto":
         xi = 0.5 * (1.0 - safe_m * safe_m / safe_v)
         sigma = 0.5 * safe_m * (1.0 + safe_m * safe_m / safe_v)
-        small = torch.abs(xi) < 1e-6
-        safe_xi = torch.where(small, 1.0, xi)
-        q = torch.where(small, -sigma * torch.log(p), sigma / safe_xi * (p ** -safe_xi - 1.0))
+        small = abs(xi) < 1e-6
+        safe_xi = ops.where(small, 1.0, xi)
+        q = ops.where(small, -sigma * ops.log(p), sigma / safe_xi * (p ** -safe_xi - 1.0))
     else:
         q = out
-    out = torch.where((m > 0) & (v > 0), q, out)
-    return torch.where(m > 0, out, 0.0)
+    out = ops.where((m > 0) & (v > 0), q, out)
+    return ops.where(m > 0, out, 0.0)
 
 
 @register_compressor("sidco")
@@ -109,13 +129,12 @@ class SIDCo(PeriodicThreshold):
         far too few gets fewer stages, and one that then selects too many is trimmed by the
         hierarchical selection."""
         stages = np.maximum(1, self.stages - effort)
-        p = torch.tensor([view.density ** (1.0 / n) for n in stages.tolist()], dtype=torch.float64)  # as on the device
+        p = np.array([view.density ** (1.0 / n) for n in range(1, self.stages + 1)])[stages - 1]  # as on the device
         eta = np.zeros(len(which))
         _, m, v = view.exceedance_moments(which, eta, inclusive=True)  # stage 1 fits all of |x|
         going = np.arange(len(which))
         for stage in range(self.stages):
-            eta[going] += quantile(torch.from_numpy(m[going]), torch.from_numpy(v[going]), p[going],
-                                   self._family(stage)).numpy()
+            eta[going] += quantile(m[going], v[going], p[going], self._family(stage))
             going = going[stages[going] > stage + 1]
             if not going.size:
                 break

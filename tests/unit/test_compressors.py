@@ -209,11 +209,11 @@ def test_redsync_bisection_lands_in_k_to_2k_and_reuses_the_ratio():
 def test_sidco_tail_quantiles_and_stages():
     g = torch.Generator().manual_seed(3)
     e = torch.empty(1_000_000).exponential_(2.0, generator=g)  # mean 0.5
-    m, v = e.double().mean().reshape(1), e.double().var(unbiased=False).reshape(1)
-    expected, p = -0.5 * math.log(0.01), torch.tensor([0.01], dtype=torch.float64)
-    assert float(quantile(m, v, p, "exponential")[0]) == pytest.approx(expected, rel=0.01)
-    assert float(quantile(m, v, p, "gpareto")[0]) == pytest.approx(expected, rel=0.05)  # ξ ≈ 0
-    assert float(quantile(m, v, p, "gamma")[0]) == pytest.approx(expected, rel=0.05)  # shape ≈ 1
+    m, v = np.array([float(e.double().mean())]), np.array([float(e.double().var(unbiased=False))])
+    expected, p = -0.5 * math.log(0.01), np.array([0.01])
+    assert quantile(m, v, p, "exponential")[0] == pytest.approx(expected, rel=0.01)
+    assert quantile(m, v, p, "gpareto")[0] == pytest.approx(expected, rel=0.05)  # ξ ≈ 0
+    assert quantile(m, v, p, "gamma")[0] == pytest.approx(expected, rel=0.05)  # shape ≈ 1
     s = segs(1_000_000)
     for dist in ("exponential", "gpareto", "gamma-gpareto"):
         n = s.counts(SIDCo(0.001, distribution=dist, stages=2).select(e, s, 0))[0].item()
@@ -492,9 +492,9 @@ def test_exdyna_scales_each_tensor_by_its_own_count():
 
 @pytest.mark.parametrize("family", ["exponential", "gpareto", "gamma"])
 def test_sidco_quantiles_equal_scipys(family):
-    """SIDCo's one fit for both paths (``quantile``, in PyTorch; the gamma's inverse by Newton
-    steps, which PyTorch lacks) gives SciPy's quantiles of the moment-fitted distributions, and the
-    degenerate moments their documented values."""
+    """SIDCo's one fit for both paths (``quantile``, over NumPy arrays or tensors; the gamma's
+    inverse by Newton steps, which PyTorch lacks) gives SciPy's quantiles of the moment-fitted
+    distributions on either, and the degenerate moments their documented values."""
     from scipy import stats
 
     g = np.random.default_rng(3)
@@ -507,29 +507,33 @@ def test_sidco_quantiles_equal_scipys(family):
         expected = stats.gamma.isf(p, m * m / v, scale=v / m)
     else:
         expected = stats.genpareto.isf(p, 0.5 * (1 - m * m / v), scale=0.5 * m * (1 + m * m / v))
-    got = quantile(*(torch.from_numpy(a) for a in (m, v, p)), family).numpy()
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
-    degenerate = quantile(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]), torch.tensor([0.1, 0.1]), family)
-    assert degenerate.tolist() == [0.0, pytest.approx(-math.log(0.1))]  # no magnitude: 0; no spread: exponential
+    host = quantile(m, v, p, family)
+    np.testing.assert_allclose(host, expected, rtol=1e-6)
+    device = quantile(*(torch.from_numpy(a) for a in (m, v, p)), family).numpy()
+    np.testing.assert_allclose(device, host, rtol=1e-12)
+    for args in ((np.array([0.0, 1.0]), np.array([1.0, 0.0]), np.array([0.1, 0.1])),
+                 (torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]), torch.tensor([0.1, 0.1]))):
+        degenerate = quantile(*args, family)
+        assert degenerate.tolist() == [0.0, pytest.approx(-math.log(0.1))]  # no magnitude: 0; no spread: exponential
 
 
 def test_dgc_samples_a_segment_alike_whatever_is_sampled_with_it():
     """DGC's draws are a hash of (seed, step, segment, effort, draw): a segment's sample is the
     same alone or beside others (the host samples the segments it estimates, the device all of
-    them), stays inside its segment, and covers it evenly; another step or effort draws anew."""
+    them) and on either path, stays inside its segment, and covers it evenly; another step or
+    effort draws anew."""
     from horovod_safusion.compressors.dgc import sample_positions
 
-    cpu = torch.device("cpu")
     keys, efforts = np.array([11, 22, 33]), np.array([0, 2, 1])
     offsets, sizes, counts = np.array([0, 1000, 1007]), np.array([1000, 7, 90_000]), np.array([50, 3, 20_000])
-    together = sample_positions(0, 5, keys, efforts, offsets, sizes, counts, cpu)
-    alone = sample_positions(0, 5, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:], cpu)
-    assert torch.equal(together[53:], alone)
-    runs = torch.split(together, counts.tolist())
-    for run, o, n in zip(runs, offsets.tolist(), sizes.tolist()):
-        assert bool(((run >= o) & (run < o + n)).all())
-    tenths = torch.bincount((alone - 1007) * 10 // 90_000, minlength=10)
-    assert int(tenths.min()) > 0.9 * 2000 and int(tenths.max()) < 1.1 * 2000, tenths.tolist()
-    assert not torch.equal(alone, sample_positions(0, 6, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:], cpu))
-    assert not torch.equal(alone, sample_positions(0, 5, keys[2:], efforts[2:] + 1, offsets[2:], sizes[2:], counts[2:],
-                                                   cpu))
+    together = sample_positions(0, 5, keys, efforts, offsets, sizes, counts)
+    alone = sample_positions(0, 5, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:])
+    np.testing.assert_array_equal(together[53:], alone)
+    on_device = sample_positions(0, 5, keys, efforts, offsets, sizes, counts, torch.device("cpu"))
+    np.testing.assert_array_equal(on_device.numpy(), together)
+    for run, o, n in zip(np.split(together, np.cumsum(counts)[:-1]), offsets.tolist(), sizes.tolist()):
+        assert ((run >= o) & (run < o + n)).all()
+    tenths = np.bincount((alone - 1007) * 10 // 90_000, minlength=10)
+    assert tenths.min() > 0.9 * 2000 and tenths.max() < 1.1 * 2000, tenths.tolist()
+    assert not np.array_equal(alone, sample_positions(0, 6, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:]))
+    assert not np.array_equal(alone, sample_positions(0, 5, keys[2:], efforts[2:] + 1, offsets[2:], sizes[2:], counts[2:]))
