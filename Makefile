@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence clean
+.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -37,6 +37,15 @@ bench-convergence: $(STAMP)
 bench-planners: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) benchmarks/bench_planners.py
+
+# a cluster on one machine (root): HOSTS network namespaces with their own RATE links and sshd
+HOSTS ?= 4
+RATE  ?= 1gbit
+cluster-up: $(STAMP)
+	bash scripts/cluster.sh up $(HOSTS) $(RATE)
+
+cluster-down:
+	bash scripts/cluster.sh down
 
 unit: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests/unit

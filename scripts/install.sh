@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything horovod-safusion needs on a bare Debian 12 machine, idempotently:
-#   Debian packages (Open MPI, compilers, cmake, iproute2), a virtual environment with
+#   Debian packages (Open MPI, compilers, cmake, iproute2, OpenSSH for the cluster on one
+#   machine), a virtual environment with
 #   torch, the scientific stack, mpi4py and Horovod 0.28.1 (PyTorch + Gloo + MPI),
 #   and this package in editable mode.
 # Horovod 0.28.1 ships only as an sdist that needs C++17 against current PyTorch; the built
@@ -24,7 +25,7 @@ CACHE=${HOROVOD_SAFUSION_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-safusion
 log() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 
 # ---- 1. Debian packages ---------------------------------------------------------------
-apt_pkgs=(libopenmpi-dev openmpi-bin cmake g++ make iproute2)
+apt_pkgs=(libopenmpi-dev openmpi-bin cmake g++ make iproute2 openssh-server openssh-client)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

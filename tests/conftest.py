@@ -36,3 +36,21 @@ def paths(monkeypatch):
     yield use
     monkeypatch.undo()
     kernels.reread()
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """Three hosts of a cluster on one machine (``scripts/cluster.sh``), up for the session; skips
+    with the reason where it cannot run (not root, no sshd)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "multiproc"))
+    import launch
+
+    why = launch.cluster_missing()
+    if why:
+        pytest.skip(why)
+    up = launch.cluster(3)
+    if up.returncode != 0:
+        launch.cluster_down()
+        pytest.fail(f"scripts/cluster.sh up 3 failed:\n{up.stdout}\n{up.stderr}")
+    yield 3
+    launch.cluster_down()

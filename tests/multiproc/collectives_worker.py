@@ -171,7 +171,7 @@ def main():
         [n[len("scenario_"):] for n in globals() if n.startswith("scenario_")]
     if len(sys.argv) > 3:
         COMMS = TRAINED = sys.argv[3].split(",")
-    results = {"size": hvd.size(), "rank": hvd.rank(), "seconds": {}}
+    results = {"size": hvd.size(), "rank": hvd.rank(), "seconds": {}, "communicators": COMMS}
     for name in names:
         try:
             t0 = time.perf_counter()

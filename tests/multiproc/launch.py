@@ -28,3 +28,34 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.C
         out, err = proc.communicate()
         err += f"\n*** killed after {timeout} s (hang) ***"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "scripts", "cluster.sh")
+
+
+def cluster_missing() -> str | None:
+    """Why a cluster on one machine cannot run here (``scripts/cluster.sh``), or None."""
+    if os.geteuid() != 0:
+        return "multi-host tests need root (network namespaces, tc, one sshd per host)"
+    for tool in ("/usr/sbin/sshd", shutil.which("ip"), shutil.which("tc")):
+        if not tool or not os.path.exists(tool):
+            return "multi-host tests need iproute2 and openssh-server (make install installs them)"
+    return None
+
+
+def on_hosts(slots: list[int], transport: str = "--gloo") -> list[str]:
+    """``horovodrun`` from inside host 1 of the cluster, with ``slots[i]`` workers on host i + 1,
+    over the hosts' own interface — a real multi-host launch (ssh to every other host)."""
+    hosts = ",".join(f"h{i + 1}:{n}" for i, n in enumerate(slots))
+    return ["bash", CLUSTER, "run", horovodrun(), "-np", str(sum(slots)), "-H", hosts, transport,
+            "--network-interface", "sfnet"]
+
+
+def cluster(hosts: int, rate: str = "none") -> subprocess.CompletedProcess:
+    """Bring the cluster up (``hosts`` namespaces; a second call replaces the first)."""
+    return subprocess.run(["bash", CLUSTER, "up", str(hosts), rate], capture_output=True, text=True, timeout=120)
+
+
+def cluster_down() -> None:
+    subprocess.run(["bash", CLUSTER, "down"], capture_output=True, text=True, timeout=120)

@@ -554,6 +554,23 @@ def scenario_resume(out_dir, source):
     return out
 
 
+def scenario_killed(optimizer):
+    """The last rank exits (``os._exit``) at step 3; the others train on to step 30 and record
+    how far they got (Horovod's launcher, or the collective that cannot finish, must end them)."""
+    model = Net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()) if optimizer == "horovod" else \
+        saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), profile_steps=2)
+    for step in range(30):
+        if step == 3 and hvd.rank() == hvd.size() - 1:
+            os._exit(3)
+        opt.zero_grad()
+        x, y = data(step)
+        F.cross_entropy(model(x, step), y).backward()
+        opt.step()
+    return {"finished": True}
+
+
 def main():
     hvd.init()
     torch.set_num_threads(1)

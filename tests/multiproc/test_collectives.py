@@ -1,7 +1,10 @@
 """The seeds' sparse collectives (``spardl``, ``exdyna``, ``zen``) under ``horovodrun`` with 2, 3
 and 4 Gloo workers (3 is not a power of two): dense equality at density 1, conservation of every
 gradient element across the job at density 0.05, ZEN's lossless hashing under forced collisions,
-and short end-to-end trainings with ``fusion="safusion"`` (2 and 3 workers).
+and short end-to-end trainings with ``fusion="safusion"`` (2 and 3 workers). Across hosts (a
+cluster on one machine, ``scripts/cluster.sh``, as root): every communicator, the default
+``allgather`` too, on 2 hosts of 2 workers and on 3 hosts of 1, launched by a plain
+``horovodrun -H h1:k,...`` over ssh.
 """
 import json
 import os
@@ -9,13 +12,18 @@ import sys
 
 import pytest
 
-from launch import horovodrun, run as run_horovodrun
+from launch import horovodrun, on_hosts, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "collectives_worker.py")
-CONFIGS = {"gloo-2": (2, "density_one,conservation,training"),
-           "gloo-3": (3, "density_one,conservation,training"),
-           "gloo-4": (4, "density_one,conservation")}
+EVERY = "allgather,spardl,exdyna,zen"  # every communicator, as users name them
+# name: (workers per host, scenarios, communicators or "" for the worker's list, across hosts?)
+CONFIGS = {"gloo-2": ([2], "density_one,conservation,training", "", False),
+           "gloo-3": ([3], "density_one,conservation,training", "", False),
+           "gloo-4": ([4], "density_one,conservation", "", False),
+           # a cluster on one machine (scripts/cluster.sh): local size 2 and cross size 2; 3 hosts of 1
+           "hosts-2x2": ([2, 2], "density_one,conservation,training", EVERY, True),
+           "hosts-3x1": ([1, 1, 1], "density_one,conservation", EVERY, True)}
 LAUNCH_TIMEOUT = 300  # a launch takes well under two minutes; longer means a hang
 _cache = {}
 
@@ -24,10 +32,11 @@ pytestmark = pytest.mark.multiproc
 
 def launch(config, tmp_path_factory):
     if config not in _cache:
-        np_, scenarios = CONFIGS[config]
+        slots, scenarios, comms, across = CONFIGS[config]
         out = tmp_path_factory.mktemp(config)
-        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-               sys.executable, WORKER, str(out), scenarios]
+        np_ = sum(slots)
+        head = on_hosts(slots) if across else [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo"]
+        cmd = [*head, sys.executable, WORKER, str(out), scenarios, *([comms] if comms else [])]
         proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = [json.loads(p.read_text()) if p.exists() else {} for p in
                    (out / f"rank{r}.json" for r in range(np_))]
@@ -37,10 +46,12 @@ def launch(config, tmp_path_factory):
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def job(request, tmp_path_factory):
+    if CONFIGS[request.param][3]:
+        request.getfixturevalue("hosts")  # skips where no cluster can run
     proc, records = launch(request.param, tmp_path_factory)
     if proc.returncode != 0:
         pytest.fail(f"horovodrun {request.param} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    assert [r["rank"] for r in records] == list(range(CONFIGS[request.param][0]))
+    assert [r["rank"] for r in records] == list(range(sum(CONFIGS[request.param][0])))
     return records
 
 
@@ -54,7 +65,7 @@ def per_rank(job, scenario):
 
 def test_density_one_gives_the_dense_average(job):
     for rec in per_rank(job, "density_one"):
-        assert set(rec) == {"spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide"}
+        assert set(rec) == set(job[0]["communicators"])
         for comm, r in rec.items():
             assert r["buffers"] > 1, comm
             assert r["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), (comm, r)
@@ -72,6 +83,8 @@ def test_conservation_across_the_job(job):
 
 
 def test_zen_loses_no_index_to_forced_collisions(job):
+    if "zen-collide" not in job[0]["communicators"]:
+        pytest.skip("this configuration runs the communicators as users name them")
     for rec in per_rank(job, "conservation"):
         # with one slot per partition almost every index overflows into the serial area ...
         assert rec["zen-collide"]["serial"] > 10 * max(1, rec["zen-bp"]["serial"]), rec

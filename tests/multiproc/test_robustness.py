@@ -1,7 +1,9 @@
 """Ordinary Horovod training code under ``horovodrun``: no crash, no hang, nothing lost.
 
 Each test launches ``robust_worker.py`` for one scenario (see its docstring) and asserts on the
-per-rank records: Gloo ×2 and ×3 (not a power of two) and MPI ×2.
+per-rank records: Gloo ×2 and ×3 (not a power of two) and MPI ×2; and across the hosts of a cluster
+on one machine (``scripts/cluster.sh``, as root): a checkpoint of 2 hosts × 2 workers resumed on 3
+hosts × 1, and a worker killed on one host.
 """
 import json
 import os
@@ -10,32 +12,43 @@ import sys
 import numpy as np
 import pytest
 
-from launch import horovodrun, run as run_horovodrun
+from launch import horovodrun, on_hosts, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRANSPORTS = {"gloo-2": ("--gloo", 2), "gloo-3": ("--gloo", 3), "mpi-2": ("--mpi", 2)}
+HOSTS = {"hosts-2x2": [2, 2], "hosts-3x1": [1, 1, 1]}  # a cluster on one machine: workers per host
 LAUNCH_TIMEOUT = 300  # every launch takes well under a minute; longer means a hang
 _cache = {}
 
 pytestmark = pytest.mark.multiproc
 
 
+def command(config: str, worker_args: list[str]) -> tuple[list[str], int]:
+    """The launch of ``robust_worker.py`` for ``config`` (one host, or across the cluster's hosts)."""
+    if config in HOSTS:
+        head, np_ = on_hosts(HOSTS[config]), sum(HOSTS[config])
+    else:
+        transport, np_ = TRANSPORTS[config]
+        head = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport]
+    return [*head, sys.executable, os.path.join(HERE, "robust_worker.py"), *worker_args], np_
+
+
+def records_of(out_dir, scenario, args, np_) -> list[dict]:
+    paths = [os.path.join(out_dir, f"{scenario}{''.join('.' + a for a in args)}.rank{r}.json") for r in range(np_)]
+    return [json.load(open(p)) if os.path.exists(p) else {} for p in paths]
+
+
 def run(config, out_dir, scenario, *args):
     """Launch one scenario (once per session) and return its per-rank records."""
     key = (config, str(out_dir), scenario, args)
     if key not in _cache:
-        transport, np_ = TRANSPORTS[config]
         os.makedirs(out_dir, exist_ok=True)
-        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport, sys.executable,
-               os.path.join(HERE, "robust_worker.py"), str(out_dir), scenario, *args]
+        cmd, np_ = command(config, [str(out_dir), scenario, *args])
         proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
-        records = []
-        for r in range(np_):
-            path = os.path.join(out_dir, f"{scenario}{''.join('.' + a for a in args)}.rank{r}.json")
-            records.append(json.load(open(path)) if os.path.exists(path) else {})
+        records = records_of(out_dir, scenario, args, np_)
         if proc.returncode != 0:
             exc = next((r["exception"] for r in records if "exception" in r), "")
-            pytest.fail(f"{' '.join(cmd[5:])} exited {proc.returncode}\n{exc[-3000:]}\n{proc.stdout[-2000:]}\n"
+            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{exc[-3000:]}\n{proc.stdout[-2000:]}\n"
                         f"{proc.stderr[-3000:]}")
         _cache[key] = [r[scenario] for r in records]
     return _cache[key]
@@ -201,3 +214,43 @@ def test_a_tiny_mlp_with_momentum_converges_like_horovod(out_dir):
             r = rec[label]
             assert r["replicas_equal"], (label, r)
             assert r["end"] < r["start"] and r["end"] <= 10 * horovod, (label, r, horovod)
+
+
+def test_a_gathered_checkpoint_of_2_hosts_x_2_resumes_on_3_hosts_x_1_conserving_the_total(hosts, tmp_path_factory):
+    """Across hosts as on one: the gathered checkpoint of a job on 2 hosts with 2 workers each
+    (local size 2, cross size 2) resumes on 3 hosts of one worker. Shrinking, new rank j holds the
+    sum of old ranks j and j + 3 (``checkpoint.redistribute``), bit for bit, so every residual
+    element is kept: the job's total is the old one up to the order of a float sum."""
+    path = tmp_path_factory.mktemp("hosts-checkpoints")
+    before = run("hosts-2x2", path, "save")
+    after = run("hosts-3x1", path, "resume", "all")
+    for scheme in before[0]:
+        for j, rec in enumerate(after):
+            loaded = rec[scheme]["loaded_residuals"]
+            for n, value in loaded.items():
+                expected = np.zeros(len(value), dtype=np.float32)
+                for old in before[j::3]:
+                    expected = expected + np.asarray(old[scheme]["saved_residuals"].get(n, 0.0), dtype=np.float32)
+                assert np.array_equal(np.asarray(value, dtype=np.float32), expected), (scheme, j, n)
+        old, new = _total(before, "saved_residuals", scheme), _total(after, "loaded_residuals", scheme)
+        assert old.keys() == new.keys() and all(np.allclose(old[n], new[n], rtol=1e-6, atol=1e-7) for n in old)
+        assert any(np.abs(v).sum() > 0 for v in old.values())
+        assert all(r[scheme]["replicas_equal"] for r in after), scheme
+
+
+@pytest.mark.parametrize("optimizer", ["horovod", "safusion"])
+def test_a_worker_killed_on_one_host_ends_the_job_as_with_horovod(hosts, optimizer, tmp_path_factory):
+    """The last worker (on host 2) dies at step 3 of a 2 hosts × 2 job: the job ends with an error
+    within the launch's time limit — no worker waits for it forever — as Horovod's own optimizer's
+    job does: horovodrun's error naming the process that exited, and in any survivor that got as
+    far as recording, Horovod's shutdown error; no surviving worker records a finished run."""
+    out = tmp_path_factory.mktemp(f"killed-{optimizer}")
+    cmd, np_ = command("hosts-2x2", [str(out), "killed", optimizer])
+    proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
+    assert "killed after" not in proc.stderr, proc.stderr[-3000:]  # our time limit: a hang
+    assert proc.returncode != 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Horovod detected that one or more processes exited with non-zero status" in proc.stderr + proc.stdout
+    records = records_of(out, "killed", [optimizer], np_)
+    assert not any("killed" in r and r["killed"].get("finished") for r in records), records
+    for r in records:  # a survivor that got as far as recording: Horovod's own error
+        assert "exception" not in r or "Horovod has been shut down" in r["exception"], r["exception"][-2000:]
