@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence cluster-up cluster-down clean
+.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence bench-scale cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: $(STAMP)
 LINKS ?= loopback 1gbit 200mbit
 bench-peers: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_peers.py --np $(NP) --links $(LINKS)
+
+# every scheme at 2, 4 and 8 hosts of a cluster on one machine (root), 1 Gbit/s and 200 Mbit/s per host
+bench-scale: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_scale.py
 
 bench-convergence: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

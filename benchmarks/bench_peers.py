@@ -125,7 +125,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import LOOPBACK, check_link, limited_link  # noqa: E402
+from links import INTERFACE, LOOPBACK, check_link, cluster, host_name, host_prefix, limited_link  # noqa: E402
 
 PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
@@ -306,7 +306,8 @@ def make_task(name: str, rank: int, size: int, args):
     if name == "resnet18":
         x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
         y = torch.randint(0, 10, (args.batch_size,), generator=g)
-        return (lambda: resnet18(num_classes=10, in_channels=3, width=64)), (lambda step: (x, y)), F.cross_entropy, 0.01
+        return (lambda: resnet18(num_classes=10, in_channels=3, width=args.width)), (lambda step: (x, y)), \
+            F.cross_entropy, 0.01
     if name == "lstm":
         from corpus import stdlib_corpus
         ids, itos = stdlib_corpus(vocab=args.vocab)
@@ -322,7 +323,7 @@ def make_task(name: str, rank: int, size: int, args):
         def loss(logits, target):
             return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-        return (lambda: LSTMLanguageModel(len(itos))), data, loss, 0.1
+        return (lambda: LSTMLanguageModel(len(itos), embed=args.hidden, hidden=args.hidden)), data, loss, 0.1
     raise SystemExit(f"--models {name}: unknown model; known: {', '.join(MODELS)}")
 
 
@@ -415,10 +416,24 @@ def join(kind: str) -> tuple[int, int, Callable[[], None], Callable[[], None]]:
             hvd.shutdown)
 
 
+#: Bytes this worker's host received (a host of a cluster on one machine: one worker per host).
+RX_BYTES = "/sys/class/net/sfnet/statistics/rx_bytes"
+
+
+def received() -> int | None:
+    """The host's received bytes so far, or None outside a cluster's host."""
+    try:
+        with open(RX_BYTES) as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def timed_turn(run: Run, rnd: int, barrier: Callable[[], None], memory, steps: int) -> dict:
     """One round of one scheme in this worker: 1 untimed step, a barrier, ``steps`` timed steps."""
     run.step()  # untimed: back from the stop
     barrier()
+    rx0 = received()
     peak_before = memory.rss()["hwm"]  # the peak since the last turn's timed steps (or the start)
     memory.reset_peak()
     base = memory.rss()["rss"]
@@ -429,9 +444,11 @@ def timed_turn(run: Run, rnd: int, barrier: Callable[[], None], memory, steps: i
     cpu = (time.process_time() - c0) / steps
     main, other, by = thread_delta(th0, thread_cpu())
     hwm = memory.rss()["hwm"]
+    rx1 = received()
     sample = {"round": rnd, "wall": wall, "cpu": cpu, "training": main / steps, "other": other / steps,
               "threads": {k: v / steps for k, v in by.items()},
-              "rise": hwm - base, "peak": max(peak_before, hwm)}
+              "rise": hwm - base, "peak": max(peak_before, hwm),
+              "received": None if rx0 is None or rx1 is None else (rx1 - rx0) / steps}
     if run.kind == "saf":
         sample["saf"] = saf_info(run.opt)
     return sample
@@ -476,7 +493,7 @@ class Job:
     ctl: Control
     log: str
     workers: int
-    proc: subprocess.Popen | None = None
+    procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)  # its launchers
     pids: list[int] = dataclasses.field(default_factory=list)
     warm: list[dict] = dataclasses.field(default_factory=list)
     turn_timeout: float = MIN_TURN_TIMEOUT_S
@@ -498,49 +515,70 @@ def slug(text: str) -> str:
     return re.sub(r"[^\w.=-]+", "_", text)
 
 
-def command(job: Job, model: str, args) -> list[str]:
-    """The job's launcher command: torchrun for compute and DDP's schemes, horovodrun for the rest."""
+def commands(job: Job, model: str, args, prefix: list[str]) -> list[list[str]]:
+    """The job's launcher commands: torchrun for compute and DDP's schemes, horovodrun for the rest,
+    run under ``prefix`` (a limited link's namespace). On the hosts of a cluster (``args.on_hosts``
+    hosts, one worker each): horovodrun from host 1 with ``-H h1:1,...``, over ssh; torchrun once per
+    host, meeting at host 1 (a static multi-node rendezvous)."""
     worker_cmd = [os.path.abspath(__file__), "--worker", "--job-dir", job.ctl.path, "--models", model,
                   "--schemes", job.key, "--pin" if args.pin else "--no-pin",
                   *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in WORKER_ARGS), [])]
+    hosts = args.on_hosts
     if job.kind in TORCHRUN:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *worker_cmd]
+        port = str(free_port())
+        if not hosts:
+            return [prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
+                              "--master_addr", "127.0.0.1", "--master_port", port, *worker_cmd]]
+        return [host_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
+                                  "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr", host_name(0),
+                                  "--master_port", port, *worker_cmd] for i in range(hosts)]
     horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    return [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, *worker_cmd]
+    if not hosts:
+        return [prefix + [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+                          *worker_cmd]]
+    slots = ",".join(f"{host_name(i)}:1" for i in range(hosts))
+    return [host_prefix(0) + [horovodrun, "-np", str(hosts), "-H", slots, "--gloo", "--network-interface", INTERFACE,
+                              sys.executable, *worker_cmd]]
 
 
-def launch(job: Job, cmd: list[str]) -> None:
-    """Start the job in a session of its own, its output to its log."""
+def launch(job: Job, cmds: list[list[str]]) -> None:
+    """Start the job's launchers, each in a session of its own, their output to the job's log."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **scheme_env(job.key))
     if job.kind not in TORCHRUN:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_S)
+    elif len(cmds) > 1:
+        env["GLOO_SOCKET_IFNAME"] = INTERFACE  # torch's gloo group over the hosts' own interface
     job.ctl.reset()
     with open(job.log, "w") as log:
-        log.write(" ".join(cmd) + "\n")
+        for cmd in cmds:
+            log.write(" ".join(cmd) + "\n")
         log.flush()
-        job.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        job.procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                     for cmd in cmds]
 
 
-def kill_tree(proc: subprocess.Popen, pids: list[int]) -> None:
-    """Kill a launcher, everything it started (Horovod puts its workers in sessions of their own)
-    and the worker ``pids``; stopped processes die too."""
+def kill_tree(procs: list[subprocess.Popen], pids: list[int]) -> None:
+    """Kill the launchers, everything they started (Horovod puts its workers in sessions of their
+    own) and the worker ``pids``; stopped processes die too."""
     import psutil
 
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        kids = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kids = []
+    for proc in procs:
+        try:
+            kids += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for pid in {*pids, *(k.pid for k in kids)}:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.wait()
+    for proc in procs:
+        proc.wait()
 
 
 #: A worker's own error (an exception, Gloo's abort), then what a launcher says of a worker's end.
@@ -566,7 +604,7 @@ def last_words(log: str, width: int = 200) -> str:
 
 def fail(job: Job, why: str) -> None:
     """Kill the job and mark it failed, with the reason and the meaningful line of its log."""
-    kill_tree(job.proc, job.pids)
+    kill_tree(job.procs, job.pids)
     job.failed = f"{why} ({last_words(job.log)})"
 
 
@@ -581,7 +619,7 @@ def alive(pid: int) -> bool:
 
 def trouble(job: Job) -> str | None:
     """Why the job cannot go on (its launcher exited, or a worker it reported is gone), or None."""
-    rc = job.proc.poll()
+    rc = next((p.poll() for p in job.procs if p.poll() is not None), None)
     if rc is not None:
         return f"exit status {rc}"
     gone = [f"rank {r} (pid {pid})" for r, pid in enumerate(job.pids) if not alive(pid)]
@@ -616,9 +654,9 @@ def signal_workers(job: Job, sig: signal.Signals, what: str) -> bool:
     return why is None
 
 
-def warm_up(job: Job, cmd: list[str], args) -> None:
+def warm_up(job: Job, cmds: list[list[str]], args) -> None:
     """Start the job, wait until its workers are warm, and stop them."""
-    launch(job, cmd)
+    launch(job, cmds)
     if not await_files(job, job.files("warm"), args.timeout, "while warming up"):
         return
     job.warm = [job.ctl.read(name) for name in job.files("warm")]
@@ -643,9 +681,9 @@ def finish(jobs: list[Job]) -> None:
         job.ctl.write("go", "quit")
     for job in live:
         try:
-            rc = job.proc.wait(timeout=QUIT_TIMEOUT_S)
+            rc = max(p.wait(timeout=QUIT_TIMEOUT_S) for p in job.procs)
         except subprocess.TimeoutExpired:
-            kill_tree(job.proc, job.pids)
+            kill_tree(job.procs, job.pids)
             rc = "killed: still running"
         if rc != 0:  # its samples are complete; only its exit went wrong
             print(f"note: {job.key} did not exit cleanly ({rc}): {last_words(job.log)}", file=sys.stderr)
@@ -669,7 +707,7 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
     orders = []
     try:
         for job in tqdm(jobs, desc=f"{link} {model} warm-up", file=sys.stdout, dynamic_ncols=True):
-            warm_up(job, prefix + command(job, model, args), args)
+            warm_up(job, commands(job, model, args, prefix), args)
             if job.failed:
                 tqdm.write(f"  {job.key} failed: {job.failed}")
         with tqdm(total=args.alternations * len(jobs), desc=f"{link} {model} rounds", file=sys.stdout,
@@ -686,8 +724,8 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
         finish(jobs)
     finally:  # an error or Ctrl-C in the driver leaves no job behind, stopped or not
         for job in jobs:
-            if job.proc is not None and job.proc.poll() is None:
-                kill_tree(job.proc, job.pids)
+            if any(p.poll() is None for p in job.procs):
+                kill_tree(job.procs, job.pids)
     warm = next((w for job in jobs for w in job.warm), {})
     return {"params": warm.get("params"), "model_bytes": warm.get("model_bytes"), "workers": args.np,
             "torch": warm.get("torch"), "orders": orders,
@@ -712,14 +750,20 @@ def drive(args) -> None:
         check_link(link)  # before the first job, not after it
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     results: dict = {}
-    for link in args.links:
-        print(f"== link {link}: {args.np} workers per job, models {' '.join(args.models)}, "
-              f"schemes {' '.join(args.schemes)}", flush=True)
+    settings = [(hosts, link) for hosts in (args.hosts or [None]) for link in args.links]
+    for hosts, link in settings:
+        label = link if hosts is None else f"{hosts}x{link}"  # e.g. 4x1gbit: 4 hosts, 1 Gbit/s each
+        args.on_hosts = hosts
+        if hosts:
+            args.np = hosts  # one worker per host
+        print(f"== link {label}: {args.np} workers per job{f' on {hosts} hosts' if hosts else ''}, models "
+              f"{' '.join(args.models)}, schemes {' '.join(args.schemes)}", flush=True)
         t0 = time.time()
-        with limited_link(link) as prefix:  # one namespace for all of the link's jobs
+        # one namespace for all of the link's jobs, or a cluster of hosts with a link each
+        with (cluster(hosts, link) if hosts else limited_link(link)) as prefix:
             for model in args.models:
-                results.setdefault(link, {})[model] = run_model(link, model, prefix, args)
-        print(f"== link {link}: done in {time.time() - t0:.0f} s", flush=True)
+                results.setdefault(label, {})[model] = run_model(label, model, prefix, args)
+        print(f"== link {label}: done in {time.time() - t0:.0f} s", flush=True)
     summary = report(results, args)
     failures = [{"link": link, "model": model, "scheme": key, "reason": job["failed"]}
                 for link, by_model in results.items() for model, res in by_model.items()
@@ -732,13 +776,15 @@ def drive(args) -> None:
 
 # ---- driver: statistics and report ------------------------------------------------------------
 def per_round(samples: list[list[dict]]) -> list[dict]:
-    """One scheme's rounds over all ranks (``samples`` per rank): wall = slowest rank, CPU = mean."""
+    """One scheme's rounds over all ranks (``samples`` per rank): wall = slowest rank, CPU = mean,
+    received = the most any rank's host received per step (None outside a cluster)."""
     by_round: dict[int, list[dict]] = {}
     for rank_samples in samples:
         for s in rank_samples:
             by_round.setdefault(s["round"], []).append(s)
     return [{"round": rnd, "wall": max(s["wall"] for s in ss),
-             **{k: float(np.mean([s[k] for s in ss])) for k in ("cpu", "training", "other")}}
+             **{k: float(np.mean([s[k] for s in ss])) for k in ("cpu", "training", "other")},
+             "received": None if any(s.get("received") is None for s in ss) else max(s["received"] for s in ss)}
             for rnd, ss in sorted(by_round.items()) if len(ss) == len(samples)]
 
 
@@ -774,6 +820,8 @@ def summarise(jobs: dict) -> dict:
     for k, rs in rounds.items():
         row = {"wall": stats(r["wall"] for r in rs), "memory": footprint(jobs[k]),
                **{c: stats(r[c] for r in rs) for c in ("cpu", "training", "other")}}
+        if rs and all(r["received"] is not None for r in rs):
+            row["received"] = stats(r["received"] for r in rs)
         if "compute" in rounds:
             row["scaling"] = ratios(rounds["compute"], rs)
         out["schemes"][k] = row
@@ -902,12 +950,15 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-WORKER_ARGS = ("steps", "profile_steps", "batch_size", "bptt", "vocab", "seed")
+WORKER_ARGS = ("steps", "profile_steps", "batch_size", "bptt", "vocab", "seed", "width", "hidden")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--np", type=int, default=2, help="workers per job")
+    ap.add_argument("--hosts", type=int, nargs="+", default=None,
+                    help="run on a cluster on one machine (scripts/cluster.sh; root) of each of these numbers of "
+                         "hosts, one worker per host, each host with a link of each --links rate; replaces --np")
     ap.add_argument("--links", nargs="+", default=[LOOPBACK, "1gbit", "200mbit"],
                     help="'loopback' or tc rates (each in a network namespace; needs root)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -919,6 +970,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16, help="per worker (images, or sequences for lstm)")
     ap.add_argument("--bptt", type=int, default=35, help="lstm: tokens per sequence")
     ap.add_argument("--vocab", type=int, default=10000, help="lstm: vocabulary size")
+    ap.add_argument("--width", type=int, default=64, help="resnet18: base width (64: 11.2 M weights)")
+    ap.add_argument("--hidden", type=int, default=650, help="lstm: embedding and hidden units (650: 19.8 M weights)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="pin worker r to core r %% cores")
     ap.add_argument("--timeout", type=float, default=1800,
@@ -930,6 +983,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1 or args.alternations < 1:
         ap.error("--steps and --alternations must be at least 1")
+    if args.hosts and min(args.hosts) < 1:
+        ap.error(f"--hosts must be at least 1, got {args.hosts}")
     if args.worker:
         sys.path.insert(0, os.path.join(HERE, "..", "examples"))
         worker(args)

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 LOOPBACK = "loopback"
 _count = itertools.count()
+CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "cluster.sh")
+INTERFACE = "sfnet"  # every cluster host's interface (scripts/cluster.sh)
 
 
 def rate_of(link: str | None) -> str | None:
@@ -54,3 +56,30 @@ def limited_link(link: str | None, option: str = "--links"):
         yield ["ip", "netns", "exec", ns]
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def host_prefix(i: int) -> list[str]:
+    """The command prefix that runs on host ``i`` (0-based) of the cluster on one machine."""
+    return ["ip", "netns", "exec", f"sfh{i + 1}"]
+
+
+def host_name(i: int) -> str:
+    """Host ``i``'s (0-based) name, as every host resolves it."""
+    return f"h{i + 1}"
+
+
+@contextmanager
+def cluster(hosts: int, link: str | None, option: str = "--hosts"):
+    """``hosts`` hosts of a cluster on one machine (``scripts/cluster.sh``), each with its own link
+    of ``link``'s rate both ways (``loopback``: unlimited); taken down on exit, whatever happens."""
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None] + \
+        ([] if os.path.exists("/usr/sbin/sshd") else ["sshd (openssh-server)"])
+    if os.geteuid() != 0 or missing:
+        why = "not running as root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
+        raise SystemExit(f"{option} {hosts}: a cluster on one machine needs root, iproute2 and openssh-server: {why}")
+    try:
+        subprocess.run(["bash", CLUSTER, "up", str(hosts), rate_of(link) or "none"], check=True,
+                       stdout=subprocess.DEVNULL)
+        yield []  # commands say which host they run on (host_prefix)
+    finally:
+        subprocess.run(["bash", CLUSTER, "down"], check=False)
