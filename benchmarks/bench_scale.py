@@ -88,7 +88,7 @@ def print_table(table: dict) -> None:
                         sc = "-" if c["scaling"] is None else f"{c['scaling']:.2f}"
                         mb = "-" if c["received"] is None else f"{c['received'] / 1e6:.2f}"
                         parts.append(f"{c['wall']:.3f} | {sc} | {mb}")
-                print(f"  {key:<48} " + "   ".join(f"{x:>22}" for x in parts))
+                print(f"  {key:<48}" + "".join(f"{x:>26}" for x in parts))
 
 
 def plot(table: dict, path: str) -> None:
