@@ -1,9 +1,9 @@
 """What a checkpoint holds of horovod-safusion, and how residuals move between world sizes.
 
 Error feedback is state like momentum: every unsent gradient element waits in a rank's residual,
-and compressors and communicators carry decisions from step to step (thresholds, sampling
-generators, ExDyna's partitions, SparDL's B-SAG ``h``, ZEN's hash seed and scheme choice). A resume
-that drops any of it changes the results, and one that drops residuals loses gradient.
+and compressors and communicators carry decisions from step to step (thresholds and their
+estimation steps, ExDyna's partitions, SparDL's B-SAG ``h``, ZEN's hash seed and scheme choice).
+A resume that drops any of it changes the results, and one that drops residuals loses gradient.
 
 Everything here is encoded as tensors, numbers, strings, lists, tuples and dicts, so that a
 checkpoint loads with ``torch.load(path)`` under its default ``weights_only=True``.

@@ -41,7 +41,7 @@ class Compressor(Stateful, ABC):
             and :meth:`propose`, and nobody writes this one.
         dense: ``True`` for compressors that always keep every element; the controller then
             skips selection and the default communicator becomes a dense allreduce.
-        state_fields: the attributes that change from step to step (thresholds, generators):
+        state_fields: the attributes that change from step to step (thresholds, estimation steps):
             the optimizer's ``state_dict()`` carries them, so a resumed job selects exactly as an
             uninterrupted one.
     """
