@@ -619,7 +619,7 @@ def alive(pid: int) -> bool:
 
 def trouble(job: Job) -> str | None:
     """Why the job cannot go on (its launcher exited, or a worker it reported is gone), or None."""
-    rc = next((p.poll() for p in job.procs if p.poll() is not None), None)
+    rc = next((rc for rc in (p.poll() for p in job.procs) if rc is not None), None)
     if rc is not None:
         return f"exit status {rc}"
     gone = [f"rank {r} (pid {pid})" for r, pid in enumerate(job.pids) if not alive(pid)]
@@ -681,7 +681,7 @@ def finish(jobs: list[Job]) -> None:
         job.ctl.write("go", "quit")
     for job in live:
         try:
-            rc = max(p.wait(timeout=QUIT_TIMEOUT_S) for p in job.procs)
+            rc = next((rc for rc in [p.wait(timeout=QUIT_TIMEOUT_S) for p in job.procs] if rc), 0)
         except subprocess.TimeoutExpired:
             kill_tree(job.procs, job.pids)
             rc = "killed: still running"

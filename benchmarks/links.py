@@ -30,10 +30,17 @@ def check_link(link: str | None, option: str = "--links") -> None:
     """Stop with a clear message if ``link`` needs a namespace and this machine cannot make one."""
     if rate_of(link) is None:
         return
+    require(f"{option} {link}: limiting the link needs root and iproute2 (ip, tc)")
+
+
+def require(need: str, sshd: bool = False) -> None:
+    """Stop with ``need`` and the reason unless this runs as root with ip, tc (and sshd)."""
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if sshd and not os.path.exists("/usr/sbin/sshd"):
+        missing.append("sshd (openssh-server)")
     if os.geteuid() != 0 or missing:
         why = "not running as root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
-        raise SystemExit(f"{option} {link}: limiting the link needs root and iproute2 (ip, tc): {why}")
+        raise SystemExit(f"{need}: {why}")
 
 
 @contextmanager
@@ -72,11 +79,7 @@ def host_name(i: int) -> str:
 def cluster(hosts: int, link: str | None, option: str = "--hosts"):
     """``hosts`` hosts of a cluster on one machine (``scripts/cluster.sh``), each with its own link
     of ``link``'s rate both ways (``loopback``: unlimited); taken down on exit, whatever happens."""
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None] + \
-        ([] if os.path.exists("/usr/sbin/sshd") else ["sshd (openssh-server)"])
-    if os.geteuid() != 0 or missing:
-        why = "not running as root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
-        raise SystemExit(f"{option} {hosts}: a cluster on one machine needs root, iproute2 and openssh-server: {why}")
+    require(f"{option} {hosts}: a cluster on one machine needs root, iproute2 and openssh-server", sshd=True)
     try:
         subprocess.run(["bash", CLUSTER, "up", str(hosts), rate_of(link) or "none"], check=True,
                        stdout=subprocess.DEVNULL)

@@ -283,7 +283,7 @@ class PeriodicThreshold(ThresholdCompressor):
         first = view.applied(torch.where(stale, estimate, state * view.unit))
         applied, counts = self._within_band(view, first, view.live & (fresh != step), low, high)
         relative = torch.where(applied != first, applied.double() / view.unit, relative)
-        for _ in range(self.refine_passes):  # :meth:`refine`
+        for last in range(self.refine_passes, 0, -1):  # :meth:`refine`
             too_many = view.live & (counts > high)
             too_few = view.live & (counts < low) & (effort_now < self.max_effort)
             effort_now = effort_now + (too_few & (fresh == step)).double()
@@ -292,7 +292,8 @@ class PeriodicThreshold(ThresholdCompressor):
             relative = torch.where(again, new / view.unit, relative)
             fresh = torch.where(too_few, float(step), fresh)
             applied = torch.where(again, view.applied(new), applied)
-            counts = torch.where(again, view.count(applied), counts)
+            if last > 1:  # the last pass's counts would decide nothing: the proposal selects anew
+                counts = torch.where(again, view.count(applied), counts)
 
         def commit(_: torch.Tensor) -> None:
             state.copy_(relative)
