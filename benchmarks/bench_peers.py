@@ -51,7 +51,11 @@ so the default schemes' five Horovod jobs would take over a core of the two from
 measured. Then ``--alternations`` rounds: in each, every job in turn is continued (``SIGCONT``)
 and told its round; its workers run 1 untimed step, a barrier, and ``--steps`` timed steps, write
 their samples, and the driver stops the job again. The order is fixed but the starting scheme
-rotates each round, so drift and order effects spread over all schemes. The driver and the workers talk through files in
+rotates each round, so drift and order effects spread over all schemes. Where the warm jobs would
+not fit in memory at once (many hosts: a job holds P workers), compute and ours stay warm and the
+other schemes run in groups beside them, each group its own alternations (``--resident``; the
+group size comes from the references' measured peak memory and the memory available), so each
+ratio still compares schemes of the same rounds. The driver and the workers talk through files in
 ``--out``/ctl/<link>-<model>-<scheme>/ (the workers' pids, ``warm``, the round to run, the samples;
 workers poll every 10 ms); each job's output goes to ``--out``/logs/<link>-<model>-<scheme>.log.
 A job stays stopped for minutes while the others run, and a collective in flight when it was
@@ -378,12 +382,22 @@ def saf_info(opt) -> dict:
         info["buffers"] = len(plan.buffers)
         info["planner"] = getattr(plan, "planner", None)
         info["dense"] = bool(getattr(plan, "dense", False))
+        info["communicator"] = getattr(getattr(opt, "communicator", None), "name", None)
+        meta = getattr(plan, "meta", {})
+        info["predicted_s"] = meta.get("predicted_iteration_s")
+        info["predicted_options_s"] = meta.get("predicted_options_s")
     st = getattr(opt, "last_stats", None)
     if st is not None:
         for k in ("bytes_sent", "bytes_received", "selected", "elements", "missing", "tensors"):
             if hasattr(st, k):
                 info[k] = int(getattr(st, k))
     return info
+
+
+def profile_of(opt) -> dict | None:
+    """Our optimizer's profile as JSON data (``None`` where it has none, or a version without one)."""
+    profile = getattr(opt, "profile", None)
+    return profile.to_dict() if profile is not None and hasattr(profile, "to_dict") else None
 
 
 def pin_threads(rank: int) -> int | None:
@@ -474,7 +488,9 @@ def worker(args) -> None:
         "params": sum(p.numel() for p in weights), "model_bytes": sum(p.numel() * p.element_size() for p in weights),
         "warmup_steps": len(times), "step_time": float(np.median(times[-DENSE_WARMUP:])),
         "steady": memory.resident(), "hwm": memory.rss()["hwm"],
-        "held": memory.held(run.opt).bytes if kind == "saf" else None})
+        "held": memory.held(run.opt).bytes if kind == "saf" else None,
+        # the profile our optimizer planned from, for the simulator's calibration (bench_scale)
+        "profile": profile_of(run.opt) if kind == "saf" and rank == 0 else None})
     print(f"rank {rank}: warm after {len(times)} steps, last {times[-1]:.3f} s", flush=True)
     done = -1
     while (rnd := ctl.next_round(done)) is not None:
@@ -689,39 +705,84 @@ def finish(jobs: list[Job]) -> None:
             print(f"note: {job.key} did not exit cleanly ({rc}): {last_words(job.log)}", file=sys.stderr)
 
 
-def collect(job: Job, alternations: int) -> dict:
+def collect(job: Job, rounds: int) -> dict:
     """What the job's workers wrote: warm records and every rank's samples (a failed job's too)."""
-    samples = [[s for rnd in range(alternations) if (s := job.ctl.read(f"sample.{rnd}.{r}")) is not None]
+    samples = [[s for rnd in range(rounds) if (s := job.ctl.read(f"sample.{rnd}.{r}")) is not None]
                for r in range(job.workers)]
     return {"kind": job.kind, "failed": job.failed, "warm": job.warm, "samples": samples}
 
 
+#: Schemes that stay warm through every group of a run that does not fit in memory at once: the
+#: per-alternation ratios and the scaling factor are taken against them within each group.
+REFERENCES = ("compute", "safusion")
+#: Share of the memory available after the references warmed up that a group may take.
+MEMORY_SHARE = 0.8
+
+
+def available_memory() -> int:
+    """Bytes the kernel reckons can be allocated without swapping (``MemAvailable``)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def groups_of(others: list[Job], references: list[Job], resident: int | None) -> list[list[Job]]:
+    """``others`` in groups that fit in memory beside the warm ``references``: ``resident`` jobs at
+    once in all, or where ``None`` as many as :data:`MEMORY_SHARE` of the memory now available
+    holds at the references' measured peak per job (the largest of their workers' peaks × workers)."""
+    if resident is None:
+        peaks = [w["hwm"] * job.workers for job in references for w in job.warm]
+        if not peaks:
+            return [others] if others else []
+        size = max(1, int(MEMORY_SHARE * available_memory() // max(peaks)))
+    else:
+        size = max(1, resident - len(references))
+    return [others[i:i + size] for i in range(0, len(others), size)]
+
+
 def run_model(link: str, model: str, prefix: list[str], args) -> dict:
-    """Every scheme's job at one link and model: start and warm up one at a time, then the rounds."""
+    """Every scheme's job at one link and model: start and warm up one at a time, then the rounds.
+    Where the jobs do not fit in memory at once, the references (:data:`REFERENCES`) stay warm and
+    the other schemes run in groups, one after the other, each for every alternation beside the
+    references; group ``g``'s alternation ``a`` is round ``g · alternations + a``."""
     from tqdm import tqdm
 
     name = lambda key: slug(f"{link}-{model}-{key}")  # noqa: E731
     jobs = [Job(key, kind, Control(os.path.join(args.out, "ctl", name(key))),
                 os.path.join(args.out, "logs", f"{name(key)}.log"), args.np)
             for key, kind, _ in map(parse_scheme, args.schemes)]
-    orders = []
+    references = [job for job in jobs if job.key in REFERENCES]
+    orders, rounds = [], 0
     try:
-        for job in tqdm(jobs, desc=f"{link} {model} warm-up", file=sys.stdout, dynamic_ncols=True):
+        for job in references:
             warm_up(job, commands(job, model, args, prefix), args)
             if job.failed:
-                tqdm.write(f"  {job.key} failed: {job.failed}")
-        with tqdm(total=args.alternations * len(jobs), desc=f"{link} {model} rounds", file=sys.stdout,
-                  dynamic_ncols=True) as bar:
-            for rnd in range(args.alternations):
-                order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
-                orders.append([job.key for job in order])
-                for job in order:
-                    if job.failed is None:
-                        take_turn(job, rnd)
-                        if job.failed:
-                            tqdm.write(f"  {job.key} failed: {job.failed}")
-                    bar.update()
-        finish(jobs)
+                print(f"  {job.key} failed: {job.failed}", flush=True)
+        groups = groups_of([job for job in jobs if job not in references], references, args.resident)
+        if len(groups) > 1:
+            print(f"  {len(jobs)} jobs do not fit in memory at once: {len(groups)} groups beside "
+                  f"{', '.join(j.key for j in references)}: "
+                  + "; ".join(" ".join(j.key for j in g) for g in groups), flush=True)
+        for g, group in enumerate(groups or [[]]):
+            for job in tqdm(group, desc=f"{link} {model} warm-up", file=sys.stdout, dynamic_ncols=True):
+                warm_up(job, commands(job, model, args, prefix), args)
+                if job.failed:
+                    tqdm.write(f"  {job.key} failed: {job.failed}")
+            turn = [job for job in jobs if job in references or job in group]  # in the order asked for
+            with tqdm(total=args.alternations * len(turn), desc=f"{link} {model} rounds", file=sys.stdout,
+                      dynamic_ncols=True) as bar:
+                for alt in range(args.alternations):
+                    rnd = g * args.alternations + alt
+                    order = turn[rnd % len(turn):] + turn[:rnd % len(turn)]
+                    orders.append([job.key for job in order])
+                    for job in order:
+                        if job.failed is None:
+                            take_turn(job, rnd)
+                            if job.failed:
+                                tqdm.write(f"  {job.key} failed: {job.failed}")
+                        bar.update()
+            rounds = (g + 1) * args.alternations
+            finish(group)  # its memory back before the next group warms up
+        finish(references)
     finally:  # an error or Ctrl-C in the driver leaves no job behind, stopped or not
         for job in jobs:
             if any(p.poll() is None for p in job.procs):
@@ -729,7 +790,7 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
     warm = next((w for job in jobs for w in job.warm), {})
     return {"params": warm.get("params"), "model_bytes": warm.get("model_bytes"), "workers": args.np,
             "torch": warm.get("torch"), "orders": orders,
-            "jobs": {job.key: collect(job, args.alternations) for job in jobs}}
+            "jobs": {job.key: collect(job, rounds) for job in jobs}}
 
 
 def check_schemes(tokens: list[str]) -> None:
@@ -837,9 +898,10 @@ def summarise(jobs: dict) -> dict:
         if dense:
             walls = [{r["round"]: r["wall"] for r in rounds[p]} for p in dense]
             common = sorted(set.intersection(*map(set, walls)))
-            best = [{"round": rnd, "wall": min(w[rnd] for w in walls)} for rnd in common]
-            out["speedups"]["best dense"] = ratios(best, rounds["safusion"])
-            out["best_dense_of"] = dense
+            if common:  # (schemes run in different groups share no round)
+                best = [{"round": rnd, "wall": min(w[rnd] for w in walls)} for rnd in common]
+                out["speedups"]["best dense"] = ratios(best, rounds["safusion"])
+                out["best_dense_of"] = dense
         if "density-0.001" in rounds:
             out["density-0.001_vs_safusion"] = ratios(rounds["safusion"], rounds["density-0.001"])
     return out
@@ -901,8 +963,11 @@ def report(results: dict, args) -> dict:
                      if k in s["schemes"] and "saf" in job["samples"][0][-1]}
             s["plans"] = plans
             for k, info in plans.items():
-                print(f"{k}: {'dense allreduce' if info.get('dense') else 'sparse'}, {info.get('buffers')} buffers, "
-                      f"{info.get('bytes_sent', 0) / 1e6:.2f} MB sent per step by rank 0")
+                how = "dense allreduce" if info.get("dense") else f"sparse over {info.get('communicator') or '?'}"
+                options = info.get("predicted_options_s") or {}
+                print(f"{k}: {how}, {info.get('buffers')} buffers, {info.get('bytes_sent', 0) / 1e6:.2f} MB sent per "
+                      f"step by rank 0" + (f"; predicted s/it {', '.join(f'{o} {t:.3f}' for o, t in options.items())}"
+                                           if options else ""))
             if "density-0.001_vs_safusion" in s:
                 print(f"density-0.001 vs safusion = safusion s/it / density-0.001 s/it: "
                       f"{fx(s['density-0.001_vs_safusion'])}")
@@ -966,6 +1031,9 @@ def main() -> None:
                     help="subset of the defaults, plus name:key=value:... variants of our optimizer")
     ap.add_argument("--alternations", type=int, default=5, help="rounds over all schemes")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per scheme per round")
+    ap.add_argument("--resident", type=int, default=None,
+                    help="jobs warm at once (default: as many as fit in memory, measured; more schemes run in "
+                         "groups beside compute and safusion)")
     ap.add_argument("--profile-steps", type=int, default=10, help="our optimizer's profiling steps")
     ap.add_argument("--batch-size", type=int, default=16, help="per worker (images, or sequences for lstm)")
     ap.add_argument("--bptt", type=int, default=35, help="lstm: tokens per sequence")

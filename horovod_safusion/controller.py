@@ -73,7 +73,8 @@ class Controller:
         named_params: ``(name, parameter)`` of every trainable parameter.
         plan: the fusion plan; must hold each name exactly once.
         compressor: selects the elements to send (``dense`` compressors skip selection).
-        communicator: synchronises one buffer per collective.
+        communicator: synchronises one buffer per collective; or the communicators a plan may
+            name (:attr:`FusionPlan.communicator`) by name, the first in use until one does.
         op, prescale, postscale: Horovod's reduction op and scale factors.
         sparse_as_dense: densify sparse gradients (as in Horovod) instead of rejecting them.
         loss_scale: returns the loss scale of the step being back-propagated (a ``GradScaler``'s),
@@ -87,14 +88,15 @@ class Controller:
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
-                 compressor: Compressor, communicator: Communicator, op: int,
+                 compressor: Compressor, communicator: "Communicator | dict[str, Communicator]", op: int,
                  prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
                  warmup: DensityWarmup | None = None, min_selected: int = 0) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
-        self.communicator = communicator
+        self.communicators = communicator if isinstance(communicator, dict) else {communicator.name: communicator}
+        communicator = self.communicator = next(iter(self.communicators.values()))
         self.reduction = Reduction(op, prescale, postscale)
         self.residuals = ResidualStore()
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
@@ -124,6 +126,7 @@ class Controller:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         numel = {n: p.numel() for n, p in self.params.items()}
         plan.validate(self.params, numel)
+        self._use(plan.communicator)
         if not self.compressor.dense:
             group = {n: (p.dtype, p.device) for n, p in self.params.items()}
             plan = send_small_dense(plan, numel, group, self.target_density, self.min_selected)
@@ -136,6 +139,15 @@ class Controller:
                                              for b in self.buffers]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
         self.gather()
+
+    def _use(self, name: str | None) -> None:
+        """Send sparse buffers over the communicator ``name`` from now on (``None``: the one in use)."""
+        if name is None or name == self.communicator.name:
+            return
+        if name not in self.communicators:
+            raise ValueError(f"the fusion plan sends over communicator {name!r}, which this optimizer does not "
+                             f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r} or 'auto')")
+        self.communicator = self.sender.communicator = self.communicators[name]
 
     def gather(self) -> None:
         """Move every residual and momentum into the planes of the current buffers (after a new
@@ -187,11 +199,14 @@ class Controller:
             self.loss_scale.residuals = state["loss_scale"]
             if self.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
                 self.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in self.params.items()})
+        plan = FusionPlan.from_json(state["plan"])
+        takes_plan = world_size == size and set(plan.names) == set(self.params)
+        if takes_plan:
+            self._use(plan.communicator)  # the communicator whose state was saved
         if state["communicator"] == type(self.communicator).__name__ and world_size == size:
             self.communicator.load_state_dict(source["communicator"])
         self.steps = int(state["steps"])
-        plan = FusionPlan.from_json(state["plan"])
-        if world_size == size and set(plan.names) == set(self.params):
+        if takes_plan:
             self.set_plan(plan)
             return True
         self.gather()

@@ -41,7 +41,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _hvd_optimizer
 from horovod.torch.mpi_ops import rocm_built
 
-from .communicators import Communicator, make_communicator
+from .communicators import Communicator, make_communicators
 from .compressors import Compressor, make_compressor
 from . import checkpoint, session
 from .controller import Controller, StepStats
@@ -96,15 +96,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else make_planner(fusion if fusion is not None else DEFAULT_FUSION)
         _set_dense_choice(self._planner, dense)
         comp = make_compressor(_compressor_for(self._planner, compressor), density)
-        comm = make_communicator(communicator, comp.dense, process_set, compression)
+        comms = make_communicators(communicator, comp.dense, process_set, compression)
         self._profiler = OnlineProfiler(self._planner, [_tensor_info(n, p) for n, p in self._named_trainable],
                                         {n: p.dtype for n, p in self._named_trainable},
                                         process_set, profile_steps=profile_steps, replan_every=replan_every)
         self._momentum_correction = bool(momentum_correction)
         self._controller = self._make_controller(
-            comp, comm, grad_scaler, DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density),
+            comp, comms, grad_scaler, DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density),
             momentum_masking, local_clipping, min_selected)
-        self._start(comp, comm, make_recorder(timeline))
+        self._start(comp, comms, make_recorder(timeline))
 
     def _named(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
         """``named_parameters`` checked as Horovod checks them (unique names, every parameter
@@ -135,21 +135,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              '%s' % ', '.join(str(id) for id in unnamed_param_ids))
         return named_parameters
 
-    def _make_controller(self, comp: Compressor, comm: Communicator, grad_scaler: Any, warmup: DensityWarmup,
+    def _make_controller(self, comp: Compressor, comms: dict[str, Communicator], grad_scaler: Any, warmup: DensityWarmup,
                          momentum_masking: bool, local_clipping: float | None, min_selected: Any) -> Controller:
         """The controller of the trainable parameters, on the profiler's first plan, with DGC's
         techniques where asked for."""
         prescale, postscale = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                                if self.op == hvd.Average else (1.0, 1.0))
         return Controller(
-            self._named_trainable, self._profiler.initial_plan(), comp, comm, self.op, prescale, postscale,
+            self._named_trainable, self._profiler.initial_plan(), comp, comms, self.op, prescale, postscale,
             self.sparse_as_dense, loss_scale=_loss_scale(grad_scaler),
             momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable))
             if self._momentum_correction else None,
             clipping=None if local_clipping is None else LocalClipping(local_clipping, self.process_set.size()),
             warmup=warmup if warmup.steps else None, min_selected=_check_min_selected(min_selected))
 
-    def _start(self, comp: Compressor, comm: Communicator, recorder: TimelineRecorder | None) -> None:
+    def _start(self, comp: Compressor, comms: dict[str, Communicator], recorder: TimelineRecorder | None) -> None:
         """Check the plan across ranks, set the communicator up, register the hooks and attach
         the timeline. Under Horovod elastic a worker may be built while the others are already
         training, so the collectives wait for hvd.elastic.TorchState's sync, which every worker
@@ -161,7 +161,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.process_set.included():
             if not self._awaiting_sync:
                 check_plan_across_ranks(self._controller.plan, self.process_set)
-                comm.setup(comp)  # may run collectives: every rank of the process set is here
+                for comm in comms.values():  # may run collectives: every rank of the process set is here
+                    comm.setup(comp)
             self._register_hooks()
             if recorder is not None:
                 self._timeline = recorder.attach(self._controller, hvd.rank(), hvd.size())
@@ -567,8 +568,12 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized
                 buffers planned from an online profile; see ``horovod_safusion.available_planners()``)
                 or a ``Planner`` instance. Cannot be combined with Horovod's ``groups``.
-        communicator: ``"auto"`` (dense allreduce for ``compressor="none"``, sparse allgather
-                      otherwise), a registered name, or a ``Communicator`` instance.
+        communicator: ``"auto"`` (the default: dense allreduce for ``compressor="none"``;
+                      otherwise sparse allgather at first, and with ``fusion="safusion"`` the
+                      fastest of allgather, SparDL and ZEN at this job's worker count, priced
+                      from the profile's sweeps and tried for a few steps when close; rank 0
+                      says on standard error what it chose), a registered name, or a
+                      ``Communicator`` instance.
         profile_steps: iterations measured before planning (after one warm-up iteration), for
                        planners that need a profile. They train as usual, communication
                        overlapped; after the last one, short sweeps time the compressor and
@@ -670,12 +675,13 @@ def _elastic_sync(opt) -> None:
     ctl, profiler, ps = opt._controller, opt._profiler, opt.process_set
     opt._reset_step()
     rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "profiler": profiler.state_dict(), "steps": ctl.steps,
-                                  "world_size": opt._world_size, "communicator": ctl.communicator.state_dict(),
-                                  "session": session.number()},
+                                  "world_size": opt._world_size, "session": session.number(),
+                                  "communicators": {name: c.state_dict() for name, c in ctl.communicators.items()}},
                                  root_rank=0, name="saf.elastic.sync", process_set=ps)
     session.begin(rank0["session"])  # collectives of the failed session may linger in Horovod's queue
-    ctl.communicator.load_state_dict(rank0["communicator"])
-    ctl.communicator.setup(ctl.compressor)
+    for name, comm in ctl.communicators.items():  # the same on every rank: setup() may run collectives
+        comm.load_state_dict(rank0["communicators"][name])
+        comm.setup(ctl.compressor)
     profiler.load_state_dict(rank0["profiler"])
     ctl.steps = rank0["steps"]
     ctl.switch_plan(FusionPlan.from_json(rank0["plan"]))

@@ -59,6 +59,9 @@ class FusionPlan:
             (a fast link, or a model too small to profit). Residuals are sent along and emptied.
         dense_buffers: indices of buffers sent dense with Horovod's allreduce on every step while
             the others are sparsified: the small tensors (:func:`send_small_dense`).
+        communicator: the registered communicator that sends the sparse buffers, where the plan
+            chooses one (``communicator="auto"`` under ``fusion="safusion"``: the one the profile
+            priced fastest); ``None`` keeps the job's communicator in use.
     """
 
     buffers: tuple[tuple[str, ...], ...]
@@ -67,6 +70,7 @@ class FusionPlan:
     dense: bool = False
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     dense_buffers: tuple[int, ...] = ()
+    communicator: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buffers", tuple(tuple(b) for b in self.buffers))
@@ -117,13 +121,14 @@ class FusionPlan:
     def to_dict(self) -> dict:
         return {"planner": self.planner, "order": self.order, "dense": self.dense,
                 "buffers": [list(b) for b in self.buffers], "dense_buffers": list(self.dense_buffers),
-                "meta": self.meta}
+                "communicator": self.communicator, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusionPlan":
         return cls(buffers=d["buffers"], order=d.get("order", "ahead"),
                    planner=d.get("planner", "custom"), dense=bool(d.get("dense", False)),
-                   meta=d.get("meta", {}), dense_buffers=tuple(d.get("dense_buffers", ())))
+                   meta=d.get("meta", {}), dense_buffers=tuple(d.get("dense_buffers", ())),
+                   communicator=d.get("communicator"))
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -133,10 +138,13 @@ class FusionPlan:
         return cls.from_dict(json.loads(text))
 
     def digest(self) -> str:
-        """SHA-256 over what ranks must agree on: buffers, order, dense and the dense buffers (not
-        ``meta``)."""
-        canon = json.dumps({"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers],
-                            "dense_buffers": list(self.dense_buffers)}, separators=(",", ":"))
+        """SHA-256 over what ranks must agree on: buffers, order, dense, the dense buffers and the
+        communicator (not ``meta``)."""
+        agreed = {"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers],
+                  "dense_buffers": list(self.dense_buffers)}
+        if self.communicator is not None:
+            agreed["communicator"] = self.communicator
+        canon = json.dumps(agreed, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
     def first_difference(self, other: "FusionPlan") -> str | None:
@@ -145,6 +153,8 @@ class FusionPlan:
             return f"sparsification order differs: {self.order!r} vs {other.order!r}"
         if self.dense != other.dense:
             return f"dense allreduce differs: {self.dense} vs {other.dense}"
+        if self.communicator != other.communicator:
+            return f"communicator differs: {self.communicator!r} vs {other.communicator!r}"
         if self.dense_buffers != other.dense_buffers:
             return f"dense buffers differ: {list(self.dense_buffers)} vs {list(other.dense_buffers)}"
         for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):

@@ -8,14 +8,15 @@ separated from the plugin's. Profiled steps run as any other: their collectives 
 back-propagation as usual. At the end of the last profiled step, on every rank at the same
 point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
 size, locally, on a copy of the compressor) and the active communicator (one collective of each
-message size, all ranks in lockstep). The communicator is timed by a sweep, not inside the
+message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
+choose, for planners that choose one). The communicator is timed by a sweep, not inside the
 training step: Horovod reports no completion time for an asynchronous collective, and waiting for
 one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
 only). Measurements are reduced across ranks — back-propagation and compression times by the
 element-wise maximum (the slowest rank sets the pace), collective times by the minimum (the last
-rank to arrive sees the collective's own duration, the others also their wait for it), message
-sizes by the maximum — so every rank builds the same :class:`~horovod_safusion.fusion.Profile`
-and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing
+rank to arrive sees the collective's own duration, the others also their wait for it); message
+sizes are the same on every rank by construction. So every rank builds the same
+:class:`~horovod_safusion.fusion.Profile` and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing
 is lost across the switch. ``replan_every=R`` re-profiles (on the current plan) every R steps.
 
 Timestamps come from :class:`~horovod_safusion.clock.Clock`: ``time.perf_counter`` on CPU, CUDA
@@ -216,21 +217,24 @@ class OnlineProfiler:
         source = sweeps.sweep_source([b.flat for b in controller.buffers], max(numels), dtype, device)
         cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source, controller.target_density)
         del source
-        cm_bytes, cm_secs = sweeps.communication_sweep(comm, tensors, controller.target_density, dtype, device)
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
-        priced = (self.planner.prices_dense and not comp.dense
-                  and not comm.dense and process_set.size() > 1)
+        linked = not comp.dense and not comm.dense and process_set.size() > 1
+        choices = (controller.communicators if linked and self.planner.chooses_communicator
+                   else {comm.name: comm})
+        swept = sweeps.communicator_sweeps(choices, tensors, controller.target_density, dtype, device)
+        priced = linked and self.planner.prices_dense
         dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
                                    if priced else ([], []))
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
         slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "saf.profile.max",
                              process_set)
-        fastest = _allreduce(cm_secs + dense_secs, hvd.Min, "saf.profile.min", process_set)
-        cm_secs, dense_secs = fastest[:len(cm_secs)], fastest[len(cm_secs):]
-        # what a rank sends depends on its data in some protocols (ZEN's hash partitions): the
-        # curve's sizes must be the same on every rank, or so would not be the plans
-        cm_bytes = _allreduce(cm_bytes, hvd.Max, "saf.profile.bytes", process_set)
+        # a message's size is the same on every rank (sweeps.communication_sweep); its time is
+        # the fastest rank's, the one that did not wait for the others to arrive
+        fastest = iter(_allreduce([t for _, secs in swept.values() for t in secs] + dense_secs, hvd.Min,
+                                  "saf.profile.min", process_set))
+        curves = {name: CostCurve(nbytes, [next(fastest) for _ in secs]) for name, (nbytes, secs) in swept.items()}
+        dense_secs = list(fastest)
         L, C = len(names), len(cp_secs)
         ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
 
@@ -238,9 +242,10 @@ class OnlineProfiler:
         wire = sweeps.wire_bytes(comm.compression, {t.name: self.dtypes[t.name] for t in tensors})
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
-            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=CostCurve(cm_bytes, cm_secs),
+            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
+            communicators=curves if len(curves) > 1 else {},
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 

@@ -99,10 +99,18 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     job's ``tensors`` send at ``density`` (a collective: every rank of its process set). The
     collectives have no target: what they deliver is not added anywhere (the steps' decoding
     is measured in the profiled steps themselves), so the sweep holds no buffer of the model's
-    size."""
+    size.
+
+    A message's size is what one rank offers, as :meth:`~horovod_safusion.fusion.Profile.message_bytes`
+    prices it: its dense bytes for a dense communicator, else its selected elements times the
+    wire row (value + index). That is not what the protocol puts on the wire (SparDL's rounds,
+    ZEN's partitions send more or less than the selection), which is the point: curves of
+    different communicators answer the same question, what a buffer of this selection costs."""
     total = sum(t.numel for t in tensors)
     dense = communicator.dense
     most = total if dense else max(1, int(1.5 * density * total) + len(tensors))
+    element = torch.empty((), dtype=dtype).element_size()
+    row = element if dense else communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
     clock = Clock(device)
     nbytes, seconds = [], []
     for j, count in enumerate(sizes(1, most)):
@@ -116,9 +124,16 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
             pending.wait()
             if r:
                 times.append(clock.seconds(a, clock.mark()))
-        nbytes.append(float(pending.bytes_sent))
+        nbytes.append(float(count * row))
         seconds.append(float(np.median(times)))
     return nbytes, seconds
+
+
+def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequence[TensorInfo], density: float,
+                        dtype: torch.dtype, device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
+    """:func:`communication_sweep` of each of ``communicators`` in turn, by name (a collective:
+    every rank sweeps the same communicators in the same order)."""
+    return {name: communication_sweep(comm, tensors, density, dtype, device) for name, comm in communicators.items()}
 
 
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,

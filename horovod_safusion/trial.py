@@ -1,4 +1,5 @@
-"""Sparse or dense, settled by measured step times (the dense choice of ``fusion="safusion"``).
+"""Sparse or dense, and which communicator, settled by measured step times (the choices of
+``fusion="safusion"``).
 
 Ours, extending the generator of SAFusion §4 (Figure 12), which profiles and plans but always
 sparsifies: SAFusion §5 evaluates slow links, where sparsification pays; on a fast link a dense
@@ -18,7 +19,11 @@ by the maximum (the job is as fast as its slowest rank), so every rank decides a
 at the same step. Residuals are per parameter: a sparse plan keeps them, and the first dense step
 sends them along, so the trial loses no gradient.
 
-Rank 0 says once what was chosen, with both predicted (and measured) times.
+The same trial settles the communicator (``communicator="auto"``): the planner ranks the sparse
+plan over each communicator it priced and the dense plan, and the two fastest are the trial's
+plans.
+
+Rank 0 says once what was chosen, with the predicted (and measured) times.
 """
 from __future__ import annotations
 
@@ -41,7 +46,16 @@ SCHEDULE = (0, 1, 1, 0)
 
 
 def describe(plan: FusionPlan) -> str:
-    return "dense allreduce" if plan.dense else "sparse"
+    if plan.dense:
+        return "dense allreduce"
+    return "sparse" if plan.communicator is None else f"sparse over {plan.communicator}"
+
+
+def predicted(plan: FusionPlan, chosen: dict) -> float:
+    """The iteration seconds predicted for ``plan``, one of the plans the planner's choice (whose
+    meta is ``chosen``) compared."""
+    key = "predicted_dense_s" if plan.dense else "predicted_sparse_s"  # a plan of an older version
+    return float(plan.meta.get("predicted_iteration_s", chosen.get(key, float("nan"))))
 
 
 def announce(text: str) -> None:
@@ -113,11 +127,11 @@ class DenseTrial:
         self._block = None
         winner = int(np.argmin(self.measured))
         first, second = self.plans
-        meta = first.meta  # the planner's choice carries both predictions
+        expected = [predicted(p, first.meta) for p in self.plans]  # the planner's choice carries them
         announce(f"{describe(self.plans[winner])} chosen after measuring both: "
                  f"{describe(first)} {self.measured[0]:.3f} s/iteration, {describe(second)} {self.measured[1]:.3f} s "
-                 f"(predicted: sparse {meta['predicted_sparse_s']:.3f} s, dense {meta['predicted_dense_s']:.3f} s); "
-                 "pass dense=True or dense=False to DistributedOptimizer to force either")
+                 f"(predicted: {expected[0]:.3f} s, {expected[1]:.3f} s); pass dense=True or dense=False, or a "
+                 "communicator, to DistributedOptimizer to force either")
         return None if winner == SCHEDULE[-1] else self.plans[winner]
 
     def state_dict(self) -> dict:
@@ -140,19 +154,23 @@ class DenseTrial:
 
 
 def start(plan: FusionPlan) -> DenseTrial | None:
-    """After planning: announce a dense plan, and start a trial (``plan.meta`` holds both
-    predictions and the runner-up): a full one when the predictions are close, else a check that
-    the chosen plan measures below the other's prediction."""
+    """After planning: say what was planned, and start a trial against ``plan.meta``'s runner-up:
+    a full one when the predictions are close, else a check that the chosen plan measures below
+    the runner-up's prediction."""
     runner_up = plan.meta.get("runner_up")
-    sparse_s, dense_s = plan.meta.get("predicted_sparse_s"), plan.meta.get("predicted_dense_s")
-    if runner_up is None or sparse_s is None or dense_s is None:
+    options = plan.meta.get("predicted_options_s") or {}
+    if len(options) > 2 or plan.communicator is not None:
+        announce(f"{describe(plan)} planned; predicted s/iteration: "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in options.items()))
+    if runner_up is None:
         if plan.dense:
             announce("sending dense (dense=True)")
         return None
     other = FusionPlan.from_dict(runner_up)
-    if max(sparse_s, dense_s) > TRIAL_MARGIN * min(sparse_s, dense_s):
+    mine, theirs = predicted(plan, plan.meta), predicted(other, plan.meta)
+    if theirs > TRIAL_MARGIN * mine:
         if plan.dense:
-            announce(f"dense allreduce predicted faster than sparse: {dense_s:.3f} s/iteration against "
-                     f"{sparse_s:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
-        return DenseTrial(plan, other, confirm_below=sparse_s if plan.dense else dense_s)
+            announce(f"dense allreduce predicted faster than sparse: {mine:.3f} s/iteration against "
+                     f"{theirs:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
+        return DenseTrial(plan, other, confirm_below=theirs)
     return DenseTrial(plan, other)

@@ -1,11 +1,11 @@
 """Communicator registry: ``communicator=`` takes ``"auto"``, one of these names, or an instance."""
 from .allgather import Allgather
 from .allreduce import Allreduce
-from .base import (Communicator, Outgoing, Pending, Reduction, Target, available_communicators, make_communicator,
+from .base import (Communicator, Outgoing, Pending, Reduction, Target, available_communicators, make_communicators,
                    register_communicator)
 from .exdyna import ExDynaCommunicator
 from .spardl import SparDL
 from .zen import Zen
 
 __all__ = ["Allgather", "Allreduce", "Communicator", "ExDynaCommunicator", "Outgoing", "Pending", "Reduction", "SparDL",
-           "Target", "Zen", "available_communicators", "make_communicator", "register_communicator"]
+           "Target", "Zen", "available_communicators", "make_communicators", "register_communicator"]

@@ -285,12 +285,22 @@ register_communicator = COMMUNICATORS.register  # class decorator: ``@register_c
 available_communicators = COMMUNICATORS.names   # names accepted by ``communicator=`` besides "auto"
 
 
-def make_communicator(spec: "str | Communicator", dense_compressor: bool, process_set: Any,
-                      compression: Any) -> Communicator:
-    """Resolve ``communicator=``: ``"auto"`` picks a dense allreduce for dense compressors and
-    the sparse allgather (SAFusion's default, §3.1 Step-2) otherwise."""
+#: What ``communicator="auto"`` holds for a sparse compressor, the first in use from the start
+#: (SAFusion §3.1 Step-2's sparse allgather): the communicators that deliver the compressor's own
+#: selection. ``fusion="safusion"`` prices each at the job's P from the profile's sweeps and plans
+#: the fastest (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). ExDyna's communicator is
+#: not among them: it sends another selection (exclusive partitions, thresholds scaled by the
+#: job's count), so it is asked for by name, with ``compressor="exdyna"``.
+AUTO_SPARSE = ("allgather", "spardl", "zen")
+
+
+def make_communicators(spec: "str | Communicator", dense_compressor: bool, process_set: Any,
+                       compression: Any) -> dict[str, Communicator]:
+    """Resolve ``communicator=`` into the communicators a job may send over, by name, the first in
+    use from the start: the one named or given, or for ``"auto"`` Horovod's allreduce for a
+    dense compressor and :data:`AUTO_SPARSE` otherwise."""
     if isinstance(spec, Communicator):
-        return spec.bind(process_set, compression)
-    if spec == "auto":
-        spec = "allreduce" if dense_compressor else "allgather"
-    return COMMUNICATORS.get(spec, also=("auto",))(process_set=process_set, compression=compression)
+        return {spec.name: spec.bind(process_set, compression)}
+    names = (spec,) if spec != "auto" else ("allreduce",) if dense_compressor else AUTO_SPARSE
+    return {name: COMMUNICATORS.get(name, also=("auto",))(process_set=process_set, compression=compression)
+            for name in names}

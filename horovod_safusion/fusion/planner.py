@@ -30,6 +30,9 @@ class Planner(ABC):
     #: Whether the planner can plan a sparse compressor's job dense (``DistributedOptimizer(dense=)``,
     #: which the optimizer then sets as :attr:`dense_choice`).
     chooses_dense: ClassVar[bool] = False
+    #: Whether the planner chooses the communicator (:attr:`FusionPlan.communicator`) from a
+    #: profile that prices several (:attr:`Profile.communicators`, ``communicator="auto"``).
+    chooses_communicator: ClassVar[bool] = False
     #: ``"auto"`` (plan dense where the profile prices it faster), ``True`` or ``False``.
     dense_choice: "bool | str" = False
     #: A saved profile to plan from at once, instead of profiling the job online first.

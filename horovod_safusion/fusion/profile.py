@@ -20,7 +20,7 @@ of tensors are :meth:`t_b`, :meth:`t_cp` and :meth:`t_cm`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ..plan import TensorInfo
@@ -37,7 +37,8 @@ class Profile:
         prefix: seconds from the end of one step to the first gradient of the next.
         suffix: seconds from the last collective's end to the end of ``step()``.
         compress: compression seconds of a one-segment buffer against its dense bytes.
-        communicate: one collective's seconds against the bytes one rank sends.
+        communicate: one collective's seconds against the bytes one rank offers (its dense bytes,
+            or its selected elements times the wire row).
         density: the compressor's target density.
         wire_bytes: bytes one selected element occupies on the wire, per tensor name.
         dense_comm: the communicator sends whole buffers (message = dense bytes).
@@ -45,6 +46,9 @@ class Profile:
         segment_cost: extra compression seconds per additional segment of a buffer.
         dense_allreduce: Horovod's dense allreduce, seconds against the bytes of one buffer, for
             pricing the dense alternative (``None`` where it was not measured).
+        communicators: per communicator the job may send over (``communicator="auto"``), by
+            name, its curve as :attr:`communicate` is the one in use's; empty where the job has
+            no choice to price.
         meta: free-form provenance (compressor, communicator, iterations, observed waits).
     """
 
@@ -60,6 +64,7 @@ class Profile:
     segment_cost: float = 0.0
     workers: int = 1
     dense_allreduce: CostCurve | None = None
+    communicators: dict[str, CostCurve] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -110,6 +115,14 @@ class Profile:
         start = 0.0 if previous_last is None else self.ready_of(previous_last)
         return max(0.0, max(self.ready_of(n) for n in names) - start)
 
+    def over(self, communicator: str) -> "Profile":
+        """The same job priced for sending over ``communicator``, one of :attr:`communicators`."""
+        if communicator not in self.communicators:
+            raise ValueError(f"this profile prices no communicator {communicator!r}; it prices "
+                             f"{sorted(self.communicators)}")
+        return replace(self, communicate=self.communicators[communicator],
+                       meta=dict(self.meta, communicator=communicator))
+
     def as_dense(self) -> "Profile":
         """The same job priced for Horovod's dense allreduce: every element sent, nothing
         selected (no compression time), the dense allreduce's cost curve."""
@@ -128,6 +141,7 @@ class Profile:
                 "density": self.density, "wire_bytes": self.wire_bytes, "dense_comm": self.dense_comm,
                 "segment_cost": self.segment_cost, "workers": self.workers,
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
+                "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
                 "meta": self.meta}
 
     @classmethod
@@ -138,6 +152,7 @@ class Profile:
                    wire_bytes=dict(d["wire_bytes"]), dense_comm=d.get("dense_comm", False),
                    segment_cost=d.get("segment_cost", 0.0), workers=d.get("workers", 1),
                    dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
+                   communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
                    meta=d.get("meta", {}))
 
     def save(self, path: str) -> None:

@@ -34,11 +34,20 @@ be slower than what the user had. ``plan.meta`` holds both predictions and the o
 (``runner_up``), which the online generator tries for a few steps when the two predictions are
 close, and keeps whichever was measured faster.
 
+**Communicator choice** (ours, ``communicator="auto"``): where the profile prices several
+communicators (:attr:`Profile.communicators`: allgather, SparDL, ZEN, each swept at the job's
+worker count), the sparse plan is made and simulated over each, and the fastest competes with the
+dense plan; the plan names its communicator (:attr:`FusionPlan.communicator`) and the runner-up
+is the second fastest of all. Which protocol wins depends on P: allgather's receive volume grows
+as (P − 1)·k, SparDL's (SparDL §3) and ZEN's (ZEN §3.2) stay near 2k, for more rounds.
+``plan.meta["predicted_options_s"]`` holds every option's prediction.
+
 Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
 then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ..plan import FusionPlan, TensorInfo, split_at_group_changes
@@ -72,6 +81,7 @@ class SAFusionPlanner(Planner):
 
     needs_profile = True
     chooses_dense = True
+    chooses_communicator = True
 
     def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True,
                  dense: "bool | str" = "auto") -> None:
@@ -89,16 +99,37 @@ class SAFusionPlanner(Planner):
         if self.dense_choice is True and not priced and not profile.dense_comm:
             raise ValueError("dense=True plans a dense allreduce, but the profile does not price one "
                              "(Profile.dense_allreduce is None)")
-        if self.dense_choice is False or not priced:
+        if not profile.communicators and (self.dense_choice is False or not priced):
             return self._best(profile)
-        sparse, dense = self._best(profile), self._best(profile.as_dense(), dense=True)
-        predicted = {"sparse": simulate(profile, sparse).iteration,
-                     "dense": simulate(profile.as_dense(), dense).iteration}
-        best = "dense" if self.dense_choice is True else min(predicted, key=lambda k: (predicted[k], k))
-        chosen, other = (dense, sparse) if best == "dense" else (sparse, dense)
-        meta = dict(chosen.meta, predicted_sparse_s=predicted["sparse"], predicted_dense_s=predicted["dense"],
-                    runner_up=None if self.dense_choice is True else other.to_dict())
-        return FusionPlan(chosen.buffers, order=chosen.order, planner=chosen.planner, dense=chosen.dense, meta=meta)
+        options = self._sparse_options(profile) if self.dense_choice is not True else {}
+        if priced and self.dense_choice is not False:
+            dense = self._best(profile.as_dense(), dense=True)
+            options["dense"] = (dense, simulate(profile.as_dense(), dense).iteration)
+        ranking = sorted(options, key=lambda k: (options[k][1], k))
+        predicted = {k: options[k][1] for k in ranking}
+        sparse = [t for k, t in predicted.items() if k != "dense"]
+        runner_up = None
+        if len(ranking) > 1:
+            plan, seconds = options[ranking[1]]
+            runner_up = replace(plan, meta=dict(plan.meta, predicted_iteration_s=seconds)).to_dict()
+        chosen, seconds = options[ranking[0]]
+        meta = dict(chosen.meta, predicted_iteration_s=seconds, predicted_options_s=predicted,
+                    predicted_sparse_s=min(sparse, default=None), predicted_dense_s=predicted.get("dense"),
+                    runner_up=runner_up)
+        return replace(chosen, meta=meta)
+
+    def _sparse_options(self, profile: Profile) -> dict[str, tuple[FusionPlan, float]]:
+        """The best sparse plan and its predicted iteration seconds, over each communicator the
+        profile prices (the plan names it), or over the profile's own communication."""
+        if not profile.communicators:
+            plan = self._best(profile)
+            return {"sparse": (plan, simulate(profile, plan).iteration)}
+        options = {}
+        for name in profile.communicators:
+            over = profile.over(name)
+            plan = replace(self._best(over), communicator=name)
+            options[name] = (plan, simulate(over, plan).iteration)
+        return options
 
     def _best(self, profile: Profile, dense: bool = False) -> FusionPlan:
         """Steps 1–2 and the guard under ``profile`` (``dense``: the plan sends every element)."""

@@ -7,6 +7,7 @@ wire path: from every rank's dense local gradient and residual, gathered with
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -99,7 +100,20 @@ def scenario_dense_choice():
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
     out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled,
                    "priced": opt.profile.dense_allreduce is not None,
+                   "communicators": sorted(opt.profile.communicators), "plan_communicator": opt.plan.communicator,
+                   "sends_over": opt.communicator.name,
                    "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
+    # every communicator "auto" may choose, switched to between steps on every rank alike
+    switched = []
+    for step, name in enumerate(("spardl", "zen", "allgather")):
+        opt.set_plan(dataclasses.replace(opt.plan, dense=False, communicator=name))
+        x, y = batch(100 + step)
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        switched.append(opt.last_stats.bytes_sent > 0 and opt.communicator.name)
+    every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.sw")
+    out["switched"] = {"sent_over": switched, "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
     ref_m, our_m = make(), make()
     ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
     ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),

@@ -1,0 +1,139 @@
+"""``communicator="auto"``: the planner prices each communicator the profile swept and names the
+fastest in the plan; the controller sends over the plan's communicator; checkpoints keep it."""
+import dataclasses
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horovod_safusion as saf
+from horovod_safusion.communicators.base import AUTO_SPARSE
+from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
+from horovod_safusion.plan import FusionPlan
+from horovod_safusion.trial import start
+from synthetic import synthetic_profile
+
+SIZES = [400_000, 40_000, 400_000, 4_000]
+
+
+def line(latency: float, per_byte: float) -> CostCurve:
+    return CostCurve([0, 1e8], [latency, latency + per_byte * 1e8])
+
+
+def priced(dense_per_byte=None, **per_byte) -> Profile:
+    """A sparse job (density 0.01) whose communicators cost 1 ms + ``per_byte[name]`` s per byte
+    offered, the first in use; a dense allreduce priced too where ``dense_per_byte`` is given."""
+    p = synthetic_profile(SIZES, [0.0, 0.01, 0.02, 0.03], cp=(1e-4, 1e-9))
+    curves = {name: line(1e-3, b) for name, b in per_byte.items()}
+    dense = None if dense_per_byte is None else line(5e-5, dense_per_byte)
+    return dataclasses.replace(p, density=0.01, dense_comm=False, communicate=next(iter(curves.values())),
+                               communicators=curves, dense_allreduce=dense)
+
+
+def test_the_planner_names_the_communicator_priced_fastest_and_the_runner_up():
+    profile = priced(allgather=1e-6, spardl=1e-8, zen=1e-7)
+    plan = SAFusionPlanner().plan(profile.tensors, profile)
+    options = plan.meta["predicted_options_s"]
+    assert plan.communicator == "spardl" and not plan.dense
+    assert list(options) == ["spardl", "zen", "allgather"]  # fastest first
+    assert simulate(profile.over("spardl"), plan).iteration == pytest.approx(options["spardl"])
+    runner_up = FusionPlan.from_dict(plan.meta["runner_up"])
+    assert runner_up.communicator == "zen" and runner_up.meta["predicted_iteration_s"] == options["zen"]
+    # a cheap dense allreduce beats them all; the best communicator is then the runner-up
+    cheap = dataclasses.replace(profile, dense_allreduce=line(5e-5, 1e-12))
+    plan = SAFusionPlanner().plan(cheap.tensors, cheap)
+    assert plan.dense and FusionPlan.from_dict(plan.meta["runner_up"]).communicator == "spardl"
+    assert plan.meta["predicted_dense_s"] < plan.meta["predicted_sparse_s"] == plan.meta["predicted_options_s"]["spardl"]
+    # dense=False still chooses among the communicators; dense=True sends dense, no runner-up
+    assert SAFusionPlanner(dense=False).plan(cheap.tensors, cheap).communicator == "spardl"
+    forced = SAFusionPlanner(dense=True).plan(cheap.tensors, cheap)
+    assert forced.dense and forced.meta["runner_up"] is None
+
+
+def test_which_communicator_wins_follows_the_prices_not_a_fixed_order():
+    for fastest in AUTO_SPARSE:
+        profile = priced(**{name: 1e-8 if name == fastest else 1e-6 for name in AUTO_SPARSE})
+        assert SAFusionPlanner().plan(profile.tensors, profile).communicator == fastest
+
+
+def test_profiles_and_plans_carry_the_communicator_through_json_and_the_digest():
+    profile = priced(allgather=1e-6, spardl=1e-8)
+    again = Profile.from_dict(profile.to_dict())
+    assert set(again.communicators) == {"allgather", "spardl"} and again.over("spardl").communicate(1e6) == \
+        profile.communicators["spardl"](1e6)
+    with pytest.raises(ValueError, match=r"no communicator 'zen'; it prices \['allgather', 'spardl'\]"):
+        profile.over("zen")
+    plan = SAFusionPlanner().plan(profile.tensors, profile)
+    assert FusionPlan.from_json(plan.to_json()) == plan
+    other = dataclasses.replace(plan, communicator="allgather")
+    assert other.digest() != plan.digest()
+    assert other.first_difference(plan) == "communicator differs: 'allgather' vs 'spardl'"
+    # a plan that names none has the digest of earlier versions
+    assert dataclasses.replace(plan, communicator=None).digest() == FusionPlan(plan.buffers, order=plan.order).digest()
+
+
+def test_start_says_what_was_planned_with_every_prediction(hvd, capsys):
+    zen = FusionPlan([["x"]], planner="safusion", communicator="zen", meta={"predicted_iteration_s": 1.1})
+    plan = FusionPlan([["x"]], planner="safusion", communicator="spardl",
+                      meta={"predicted_iteration_s": 1.0, "runner_up": zen.to_dict(),
+                            "predicted_options_s": {"spardl": 1.0, "zen": 1.1, "dense": 2.0}})
+    trial = start(plan)
+    assert "sparse over spardl planned; predicted s/iteration: spardl 1.000, zen 1.100, dense 2.000" \
+        in capsys.readouterr().err
+    assert trial.plans == (plan, zen) and trial.confirm_below is None  # close: measured A B B A
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 3))
+
+
+def train(m, opt, steps, first=0):
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(8, 40, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
+        opt.step()
+
+
+def make(m, **kw):
+    return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=m.named_parameters(), density=0.05, min_selected=0,
+                                    profile_steps=2, **kw)
+
+
+def test_the_optimizer_sends_over_the_plans_communicator_and_a_checkpoint_keeps_it(hvd):
+    m = model()
+    opt = make(m)
+    assert opt.communicator.name == "allgather"  # "auto" starts on SAFusion's allgather
+    train(m, opt, 4)
+    opt.set_plan(dataclasses.replace(opt.plan, communicator="spardl"))
+    assert opt.communicator.name == "spardl"
+    train(m, opt, 2, first=4)
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    train(m, opt, 3, first=6)
+
+    m2 = model(seed=1)
+    opt2 = make(m2)
+    m2.load_state_dict(ckpt["model"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(ckpt["optimizer"])
+    assert opt2.communicator.name == "spardl" and opt2.plan == opt.plan
+    train(m2, opt2, 3, first=6)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_a_plan_naming_a_communicator_the_job_does_not_hold_is_a_clear_error(hvd):
+    m = model()
+    opt = make(m, communicator="allgather")
+    with pytest.raises(ValueError, match=r"communicator 'zen', which this optimizer does not hold; it holds "
+                                         r"\['allgather'\] \(pass communicator='zen' or 'auto'\)"):
+        opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
+    assert opt.communicator.name == "allgather"
