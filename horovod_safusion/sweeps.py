@@ -112,11 +112,16 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     element = torch.empty((), dtype=dtype).element_size()
     row = element if dense else communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
     clock = Clock(device)
+    rank = communicator.process_set.rank()
     nbytes, seconds = [], []
     for j, count in enumerate(sizes(1, most)):
         numel = count if dense or density >= 1.0 else max(count, int(count / density))
         values = torch.randn(count, dtype=dtype, device=device)
-        indices = None if dense else torch.arange(count, device=device) * (numel // count)
+        stride = numel // count
+        # every rank its own indices (disjoint while the stride exceeds P): what the ranks select
+        # overlaps little at low density, and a protocol that aggregates on the way (SparDL, ZEN)
+        # would be priced too cheap on identical ones
+        indices = None if dense else torch.arange(count, device=device) * stride + rank % stride
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
