@@ -33,6 +33,7 @@ bench-peers: $(STAMP)
 # every scheme at 2, 4 and 8 hosts of a cluster on one machine (root), 1 Gbit/s and 200 Mbit/s per host
 bench-scale: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_scale.py
+	$(PY) benchmarks/bench_scale_out.py
 
 bench-convergence: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -41,6 +41,7 @@ at density 1 is sent dense.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, Container, Sequence
 
@@ -200,6 +201,10 @@ class Controller:
             if self.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
                 self.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in self.params.items()})
         plan = FusionPlan.from_json(state["plan"])
+        if plan.communicator is not None and plan.communicator not in self.communicators:
+            warnings.warn(f"the checkpoint's fusion plan sends over communicator {plan.communicator!r}, which this "
+                          f"optimizer does not hold; it sends over {self.communicator.name!r}, as asked")
+            plan = dataclasses.replace(plan, communicator=None)
         takes_plan = world_size == size and set(plan.names) == set(self.params)
         if takes_plan:
             self._use(plan.communicator)  # the communicator whose state was saved

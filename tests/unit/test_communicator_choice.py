@@ -137,3 +137,19 @@ def test_a_plan_naming_a_communicator_the_job_does_not_hold_is_a_clear_error(hvd
                                          r"\['allgather'\] \(pass communicator='zen' or 'auto'\)"):
         opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
     assert opt.communicator.name == "allgather"
+
+
+def test_a_checkpoint_naming_a_communicator_this_optimizer_does_not_hold_keeps_the_one_asked_for(hvd):
+    m = model()
+    opt = make(m)
+    train(m, opt, 4)
+    opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
+    saved = opt.state_dict()
+    m2 = model()
+    opt2 = make(m2, communicator="allgather")
+    with pytest.warns(UserWarning, match="sends over communicator 'zen', which this optimizer does not hold; "
+                                         "it sends over 'allgather', as asked"):
+        opt2.load_state_dict(saved)
+    assert opt2.communicator.name == "allgather" and opt2.plan.communicator is None
+    assert opt2.plan.buffers == opt.plan.buffers
+    train(m2, opt2, 2, first=4)
