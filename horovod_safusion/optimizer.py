@@ -174,10 +174,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._controller.plan
 
     def set_plan(self, plan: FusionPlan) -> None:
-        """Switch every rank to ``plan`` (a collective: call it on all ranks between steps)."""
+        """Switch every rank to ``plan`` (a collective: call it on all ranks between steps). A
+        trial under way (dense against sparse, or one communicator against another) stops, so
+        that it does not switch away from the plan given."""
         if self._launched:
             raise RuntimeError("set_plan() was called after loss.backward() but before step() or "
                                "synchronize(); change the plan between steps")
+        self._profiler.stop_trial()
         if self.process_set.included():
             self._controller.switch_plan(plan)
         else:

@@ -111,7 +111,7 @@ class OnlineProfiler:
         self._record_from = settle_steps
         self._samples: list[dict] = []
         self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
-        self.trial: trial.DenseTrial | None = None  # sparse against dense, measured
+        self.trial: trial.DenseTrial | None = None  # two plans measured against each other
         self._last_end: Any = None
         self._watching: ProfiledStep | None = None  # the step being profiled
 
@@ -163,6 +163,10 @@ class OnlineProfiler:
         record_from = state["record_from"]
         # a profile under way starts again at the next step
         self._record_from = None if record_from is None else max(int(record_from), self.steps)
+
+    def stop_trial(self) -> None:
+        """End a trial under way where it stands (a plan set from outside takes over)."""
+        self.trial = None
 
     def reset_step(self, controller: Controller) -> None:
         """Forget the step being profiled, if any (a step abandoned, a state loaded)."""
