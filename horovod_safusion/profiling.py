@@ -16,8 +16,9 @@ only). Measurements are reduced across ranks — back-propagation and compressio
 element-wise maximum (the slowest rank sets the pace), collective times by the minimum (the last
 rank to arrive sees the collective's own duration, the others also their wait for it); message
 sizes are the same on every rank by construction. So every rank builds the same
-:class:`~horovod_safusion.fusion.Profile` and hence the same plan, and all switch at the same step. Residuals are per parameter, so nothing
-is lost across the switch. ``replan_every=R`` re-profiles (on the current plan) every R steps.
+:class:`~horovod_safusion.fusion.Profile` and hence the same plan, and all switch at the same step.
+Residuals are per parameter, so nothing is lost across the switch. ``replan_every=R`` re-profiles
+(on the current plan) every R steps.
 
 Timestamps come from :class:`~horovod_safusion.clock.Clock`: ``time.perf_counter`` on CPU, CUDA
 events on GPU (resolved at the end of the step, so hooks never wait for the device to measure

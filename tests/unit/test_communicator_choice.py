@@ -1,13 +1,10 @@
 """``communicator="auto"``: the planner prices each communicator the profile swept and names the
 fastest in the plan; the controller sends over the plan's communicator; checkpoints keep it."""
 import dataclasses
-import io
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import horovod_safusion as saf
 from horovod_safusion.communicators.base import AUTO_SPARSE
@@ -15,6 +12,7 @@ from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulat
 from horovod_safusion.plan import FusionPlan
 from horovod_safusion.trial import start
 from synthetic import synthetic_profile
+from test_checkpoint import model, through_file, train
 
 SIZES = [400_000, 40_000, 400_000, 4_000]
 
@@ -86,19 +84,6 @@ def test_start_says_what_was_planned_with_every_prediction(hvd, capsys):
     assert trial.plans == (plan, zen) and trial.confirm_below is None  # close: measured A B B A
 
 
-def model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 3))
-
-
-def train(m, opt, steps, first=0):
-    for step in range(first, first + steps):
-        g = torch.Generator().manual_seed(step)
-        opt.zero_grad()
-        F.cross_entropy(m(torch.randn(8, 40, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
-        opt.step()
-
-
 def make(m, **kw):
     return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=m.named_parameters(), density=0.05, min_selected=0,
@@ -113,10 +98,7 @@ def test_the_optimizer_sends_over_the_plans_communicator_and_a_checkpoint_keeps_
     opt.set_plan(dataclasses.replace(opt.plan, communicator="spardl"))
     assert opt.communicator.name == "spardl"
     train(m, opt, 2, first=4)
-    buf = io.BytesIO()
-    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = through_file({"model": m.state_dict(), "optimizer": opt.state_dict()})
     train(m, opt, 3, first=6)
 
     m2 = model(seed=1)
