@@ -51,6 +51,7 @@ from . import checkpoint
 from .buffer import FusionBuffer, gather, link
 from .communicators import Communicator, Reduction
 from .compressors import Compressor
+from .density import AUTO
 from .momentum import LocalClipping, MomentumCorrection
 from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, WAIT,
                        Observer, combine)
@@ -93,7 +94,8 @@ class Controller:
                  prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
-                 warmup: DensityWarmup | None = None, min_selected: int = 0) -> None:
+                 warmup: DensityWarmup | None = None, min_selected: int = 0,
+                 densities: Sequence[float] = ()) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicators = communicator if isinstance(communicator, dict) else {communicator.name: communicator}
@@ -102,7 +104,9 @@ class Controller:
         self.residuals = ResidualStore()
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
         self.min_selected = min_selected
+        self.densities = tuple(densities)  # the candidates of density="auto", else none
         self.target_density = 1.0 if compressor.dense else compressor.density
+        self.asked_density: "float | str" = AUTO if self.densities else self.target_density
         self.loss_scale = LossScale(loss_scale)
         self.filler = Filler(self.residuals, momentum, clipping, sparse_as_dense)
         self.sender = Sender(communicator, self.reduction)
@@ -128,6 +132,7 @@ class Controller:
         numel = {n: p.numel() for n, p in self.params.items()}
         plan.validate(self.params, numel)
         self._use(plan.communicator)
+        self._aim(plan.density)
         if not self.compressor.dense:
             group = {n: (p.dtype, p.device) for n, p in self.params.items()}
             plan = send_small_dense(plan, numel, group, self.target_density, self.min_selected)
@@ -150,6 +155,17 @@ class Controller:
                              f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r} or 'auto')")
         self.communicator = self.sender.communicator = self.communicators[name]
 
+    def _aim(self, density: float | None) -> None:
+        """Select at ``density`` from now on, and end a warm-up there (``None``: as asked, or at
+        the provisional density of ``density="auto"`` until a plan chooses one)."""
+        if density is not None and not self.densities:
+            raise ValueError(f"the fusion plan selects at density {density!r}, but this optimizer was given "
+                             f"density={self.asked_density!r}; pass density='auto' to let a plan choose it")
+        if not self.compressor.dense:
+            self.target_density = density if density is not None else self.compressor.density
+        if self.warmup is not None:
+            self.warmup.target = self.target_density
+
     def gather(self) -> None:
         """Move every residual and momentum into the planes of the current buffers (after a new
         plan or a loaded checkpoint)."""
@@ -169,7 +185,7 @@ class Controller:
         loss scale the residuals are at, the fusion plan (JSON), and what made the residuals (the
         compressor's class and density, the communicator's class)."""
         return {"steps": self.steps, "loss_scale": self.loss_scale.residuals,
-                "compressor": type(self.compressor).__name__, "density": self.target_density,
+                "compressor": type(self.compressor).__name__, "density": self.asked_density,
                 "communicator": type(self.communicator).__name__, "plan": self.plan.to_json()}
 
     def rank_state(self) -> dict:
@@ -188,7 +204,7 @@ class Controller:
         ps = self.communicator.process_set
         size, rank = ps.size(), ps.rank()
         source = ranks.get(rank if world_size == size else rank % world_size) or next(iter(ranks.values()))
-        compressor, density = type(self.compressor).__name__, self.target_density
+        compressor, density = type(self.compressor).__name__, self.asked_density
         if state["compressor"] != compressor or state["density"] != density:
             warnings.warn(f"the checkpoint was saved with compressor {state['compressor']} at density "
                           f"{state['density']}; this optimizer uses {compressor} at density "
@@ -205,6 +221,8 @@ class Controller:
             warnings.warn(f"the checkpoint's fusion plan sends over communicator {plan.communicator!r}, which this "
                           f"optimizer does not hold; it sends over {self.communicator.name!r}, as asked")
             plan = dataclasses.replace(plan, communicator=None)
+        if plan.density is not None and not self.densities:  # the warning above named the densities
+            plan = dataclasses.replace(plan, density=None)
         takes_plan = world_size == size and set(plan.names) == set(self.params)
         if takes_plan:
             self._use(plan.communicator)  # the communicator whose state was saved

@@ -62,6 +62,9 @@ class FusionPlan:
         communicator: the registered communicator that sends the sparse buffers, where the plan
             chooses one (``communicator="auto"`` under ``fusion="safusion"``: the one the profile
             priced fastest); ``None`` keeps the job's communicator in use.
+        density: the density the sparse buffers select at, where the plan chooses it
+            (``density="auto"``: :mod:`~horovod_safusion.density`); ``None`` keeps the
+            compressor's.
     """
 
     buffers: tuple[tuple[str, ...], ...]
@@ -71,6 +74,7 @@ class FusionPlan:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     dense_buffers: tuple[int, ...] = ()
     communicator: str | None = None
+    density: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buffers", tuple(tuple(b) for b in self.buffers))
@@ -121,14 +125,14 @@ class FusionPlan:
     def to_dict(self) -> dict:
         return {"planner": self.planner, "order": self.order, "dense": self.dense,
                 "buffers": [list(b) for b in self.buffers], "dense_buffers": list(self.dense_buffers),
-                "communicator": self.communicator, "meta": self.meta}
+                "communicator": self.communicator, "density": self.density, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusionPlan":
         return cls(buffers=d["buffers"], order=d.get("order", "ahead"),
                    planner=d.get("planner", "custom"), dense=bool(d.get("dense", False)),
                    meta=d.get("meta", {}), dense_buffers=tuple(d.get("dense_buffers", ())),
-                   communicator=d.get("communicator"))
+                   communicator=d.get("communicator"), density=d.get("density"))
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -139,11 +143,13 @@ class FusionPlan:
 
     def digest(self) -> str:
         """SHA-256 over what ranks must agree on: buffers, order, dense, the dense buffers and the
-        communicator (not ``meta``)."""
+        communicator and density (not ``meta``)."""
         agreed = {"order": self.order, "dense": self.dense, "buffers": [list(b) for b in self.buffers],
                   "dense_buffers": list(self.dense_buffers)}
         if self.communicator is not None:
             agreed["communicator"] = self.communicator
+        if self.density is not None:
+            agreed["density"] = self.density
         canon = json.dumps(agreed, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
@@ -155,6 +161,8 @@ class FusionPlan:
             return f"dense allreduce differs: {self.dense} vs {other.dense}"
         if self.communicator != other.communicator:
             return f"communicator differs: {self.communicator!r} vs {other.communicator!r}"
+        if self.density != other.density:
+            return f"density differs: {self.density!r} vs {other.density!r}"
         if self.dense_buffers != other.dense_buffers:
             return f"dense buffers differ: {list(self.dense_buffers)} vs {list(other.dense_buffers)}"
         for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):

@@ -9,7 +9,8 @@ back-propagation as usual. At the end of the last profiled step, on every rank a
 point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
 size, locally, on a copy of the compressor) and the active communicator (one collective of each
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
-choose, for planners that choose one). The communicator is timed by a sweep, not inside the
+choose, for planners that choose one; under ``density="auto"`` the compressor at each candidate
+density, :mod:`horovod_safusion.density`). The communicator is timed by a sweep, not inside the
 training step: Horovod reports no completion time for an asynchronous collective, and waiting for
 one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
 only). Measurements are reduced across ranks — back-propagation and compression times by the
@@ -221,18 +222,23 @@ class OnlineProfiler:
         numels = [t.numel for t in tensors]
         source = sweeps.sweep_source([b.flat for b in controller.buffers], max(numels), dtype, device)
         cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source, controller.target_density)
-        del source
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
         linked = not comp.dense and not comm.dense and process_set.size() > 1
+        candidates = controller.densities if linked and self.planner.chooses_density else ()
+        at_density = [sweeps.compression_sweep(comp, numels, source, d) for d in candidates]
+        del source
         choices = (controller.communicators if linked and self.planner.chooses_communicator
                    else {comm.name: comm})
-        swept = sweeps.communicator_sweeps(choices, tensors, controller.target_density, dtype, device)
+        # the message sizes of the densest candidate: the curves price every candidate's messages
+        swept = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
+                                           dtype, device)
         priced = linked and self.planner.prices_dense
         dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
                                    if priced else ([], []))
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
-        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs, hvd.Max, "saf.profile.max",
+        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs
+                             + [t for _, secs, seg in at_density for t in (*secs, seg)], hvd.Max, "saf.profile.max",
                              process_set)
         # a message's size is the same on every rank (sweeps.communication_sweep); its time is
         # the fastest rank's, the one that did not wait for the others to arrive
@@ -242,6 +248,11 @@ class OnlineProfiler:
         dense_secs = list(fastest)
         L, C = len(names), len(cp_secs)
         ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
+        rest = iter(slowest[L + 3 + C:])
+        densities = {}
+        for d, (sizes, secs, _) in zip(candidates, at_density):
+            curve = CostCurve(sizes, [next(rest) for _ in secs])
+            densities[d] = (curve, next(rest))
 
         order = sorted(range(L), key=lambda i: (ready[i], i))
         wire = sweeps.wire_bytes(comm.compression, {t.name: self.dtypes[t.name] for t in tensors})
@@ -250,7 +261,7 @@ class OnlineProfiler:
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
-            communicators=curves if len(curves) > 1 else {},
+            communicators=curves if len(curves) > 1 else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 

@@ -21,7 +21,9 @@ sends them along, so the trial loses no gradient.
 
 The same trial settles the communicator (``communicator="auto"``): the planner ranks the sparse
 plan over each communicator it priced and the dense plan, and the two fastest are the trial's
-plans.
+plans. It settles the density too (``density="auto"``, :mod:`~horovod_safusion.density`): of two
+plans at different densities the denser is kept unless the other measured more than
+:data:`~horovod_safusion.density.MARGIN` faster.
 
 Rank 0 says once what was chosen, with the predicted (and measured) times.
 """
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
+from .density import MARGIN, preferred
 from .plan import FusionPlan
 from .session import collective
 
@@ -48,7 +51,13 @@ SCHEDULE = (0, 1, 1, 0)
 def describe(plan: FusionPlan) -> str:
     if plan.dense:
         return "dense allreduce"
-    return "sparse" if plan.communicator is None else f"sparse over {plan.communicator}"
+    at = "" if plan.density is None else f" at density {plan.density:g}"
+    return f"sparse{at}" if plan.communicator is None else f"sparse{at} over {plan.communicator}"
+
+
+def density_of(plan: FusionPlan) -> float | None:
+    """The density ``plan`` chose (1 for dense), or ``None`` where it chose none."""
+    return 1.0 if plan.dense else plan.density
 
 
 def predicted(plan: FusionPlan, chosen: dict) -> float:
@@ -126,12 +135,15 @@ class DenseTrial:
         self.measured = medians.tolist()
         self._block = None
         winner = int(np.argmin(self.measured))
+        denser, factor = preferred(*(density_of(p) for p in self.plans))
+        if denser is not None and self.measured[denser] <= factor * self.measured[1 - denser]:
+            winner = denser  # density="auto": the denser plan unless the other is clearly faster
         first, second = self.plans
         expected = [predicted(p, first.meta) for p in self.plans]  # the planner's choice carries them
         announce(f"{describe(self.plans[winner])} chosen after measuring both: "
                  f"{describe(first)} {self.measured[0]:.3f} s/iteration, {describe(second)} {self.measured[1]:.3f} s "
-                 f"(predicted: {expected[0]:.3f} s, {expected[1]:.3f} s); pass dense=True or dense=False, or a "
-                 "communicator, to DistributedOptimizer to force either")
+                 f"(predicted: {expected[0]:.3f} s, {expected[1]:.3f} s); pass dense=True or dense=False, a "
+                 "communicator or a density, to DistributedOptimizer to force either")
         return None if winner == SCHEDULE[-1] else self.plans[winner]
 
     def state_dict(self) -> dict:
@@ -168,9 +180,15 @@ def start(plan: FusionPlan) -> DenseTrial | None:
         return None
     other = FusionPlan.from_dict(runner_up)
     mine, theirs = predicted(plan, plan.meta), predicted(other, plan.meta)
+    denser, factor = preferred(density_of(plan), density_of(other))
+    if plan.density is not None:
+        announce(f"density {plan.density:g} chosen: the highest whose predicted iteration is within "
+                 f"{MARGIN:.0%} of the fastest option's ({describe(other)}: {theirs:.3f} s against {mine:.3f} s)")
     if theirs > TRIAL_MARGIN * mine:
         if plan.dense:
             announce(f"dense allreduce predicted faster than sparse: {mine:.3f} s/iteration against "
                      f"{theirs:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
-        return DenseTrial(plan, other, confirm_below=theirs)
+        # the chosen plan stays if it measures below the other's prediction (times the margin
+        # the denser of the two is allowed)
+        return DenseTrial(plan, other, confirm_below=theirs * (factor if denser == 0 else 1.0 / factor))
     return DenseTrial(plan, other)

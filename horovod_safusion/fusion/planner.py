@@ -33,6 +33,9 @@ class Planner(ABC):
     #: Whether the planner chooses the communicator (:attr:`FusionPlan.communicator`) from a
     #: profile that prices several (:attr:`Profile.communicators`, ``communicator="auto"``).
     chooses_communicator: ClassVar[bool] = False
+    #: Whether the planner chooses the density (:attr:`FusionPlan.density`) from a profile that
+    #: prices several (:attr:`Profile.densities`, ``density="auto"``).
+    chooses_density: ClassVar[bool] = False
     #: ``"auto"`` (plan dense where the profile prices it faster), ``True`` or ``False``.
     dense_choice: "bool | str" = False
     #: A saved profile to plan from at once, instead of profiling the job online first.

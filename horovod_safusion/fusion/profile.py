@@ -49,6 +49,9 @@ class Profile:
         communicators: per communicator the job may send over (``communicator="auto"``), by
             name, its curve as :attr:`communicate` is the one in use's; empty where the job has
             no choice to price.
+        densities: per candidate density (``density="auto"``), the compression curve and the
+            per-segment cost swept at that density, as :attr:`compress` and
+            :attr:`segment_cost` are at :attr:`density`; empty where the density is given.
         meta: free-form provenance (compressor, communicator, iterations, observed waits).
     """
 
@@ -65,6 +68,7 @@ class Profile:
     workers: int = 1
     dense_allreduce: CostCurve | None = None
     communicators: dict[str, CostCurve] = field(default_factory=dict)
+    densities: dict[float, tuple[CostCurve, float]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,13 @@ class Profile:
         return replace(self, communicate=self.communicators[communicator],
                        meta=dict(self.meta, communicator=communicator))
 
+    def at(self, density: float) -> "Profile":
+        """The same job priced for selecting at ``density``, one of :attr:`densities`."""
+        if density not in self.densities:
+            raise ValueError(f"this profile prices no density {density!r}; it prices {sorted(self.densities)}")
+        compress, segment_cost = self.densities[density]
+        return replace(self, density=density, compress=compress, segment_cost=segment_cost)
+
     def as_dense(self) -> "Profile":
         """The same job priced for Horovod's dense allreduce: every element sent, nothing
         selected (no compression time), the dense allreduce's cost curve."""
@@ -142,6 +153,7 @@ class Profile:
                 "segment_cost": self.segment_cost, "workers": self.workers,
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
                 "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
+                "densities": [[d, c.to_dict(), seg] for d, (c, seg) in self.densities.items()],
                 "meta": self.meta}
 
     @classmethod
@@ -153,6 +165,7 @@ class Profile:
                    segment_cost=d.get("segment_cost", 0.0), workers=d.get("workers", 1),
                    dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
                    communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
+                   densities={float(x): (CostCurve.from_dict(c), float(seg)) for x, c, seg in d.get("densities", [])},
                    meta=d.get("meta", {}))
 
     def save(self, path: str) -> None:

@@ -42,6 +42,14 @@ is the second fastest of all. Which protocol wins depends on P: allgather's rece
 as (P − 1)·k, SparDL's (SparDL §3) and ZEN's (ZEN §3.2) stay near 2k, for more rounds.
 ``plan.meta["predicted_options_s"]`` holds every option's prediction.
 
+**Density choice** (ours, ``density="auto"``; :mod:`~horovod_safusion.density`): where the
+profile prices several densities (:attr:`Profile.densities`: compression swept at each), the
+sparse plan is made and simulated at each density over each communicator, and the plan chosen
+is the densest option (dense counts as density 1) whose predicted iteration time is within
+:data:`~horovod_safusion.density.MARGIN` of the fastest option's: the most the link hides behind
+back-propagation. The plan names its density (:attr:`FusionPlan.density`); the runner-up is the
+fastest option, or the second fastest where the chosen is the fastest.
+
 Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
 then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
 """
@@ -50,6 +58,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from ..density import densest_within
 from ..plan import FusionPlan, TensorInfo, split_at_group_changes
 from .planner import Planner, register_planner
 from .safusion_inter import InterPlanner
@@ -57,6 +66,11 @@ from .profile import Profile
 from .simulator import simulate
 
 GUARD_BUFFER_COUNTS = (1, 2, 4, 8, 16)
+
+
+def sent_density(plan: FusionPlan, profile: Profile) -> float:
+    """The density ``plan`` sends at: 1 for a dense plan, else its own or the profile's."""
+    return 1.0 if plan.dense else plan.density if plan.density is not None else profile.density
 
 
 def check_dense_choice(dense: "bool | str") -> "bool | str":
@@ -82,6 +96,7 @@ class SAFusionPlanner(Planner):
     needs_profile = True
     chooses_dense = True
     chooses_communicator = True
+    chooses_density = True
 
     def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True,
                  dense: "bool | str" = "auto") -> None:
@@ -99,7 +114,7 @@ class SAFusionPlanner(Planner):
         if self.dense_choice is True and not priced and not profile.dense_comm:
             raise ValueError("dense=True plans a dense allreduce, but the profile does not price one "
                              "(Profile.dense_allreduce is None)")
-        if not profile.communicators and (self.dense_choice is False or not priced):
+        if not profile.communicators and not profile.densities and (self.dense_choice is False or not priced):
             return self._best(profile)
         options = self._sparse_options(profile) if self.dense_choice is not True else {}
         if priced and self.dense_choice is not False:
@@ -107,12 +122,16 @@ class SAFusionPlanner(Planner):
             options["dense"] = (dense, simulate(profile.as_dense(), dense).iteration)
         ranking = sorted(options, key=lambda k: (options[k][1], k))
         predicted = {k: options[k][1] for k in ranking}
+        first = ranking[0]
+        if profile.densities:  # density="auto": the densest option near the fastest
+            first = densest_within(predicted, {k: sent_density(options[k][0], profile) for k in ranking})
+            ranking = [first] + [k for k in ranking if k != first]
         sparse = [t for k, t in predicted.items() if k != "dense"]
         runner_up = None
         if len(ranking) > 1:
             plan, seconds = options[ranking[1]]
             runner_up = replace(plan, meta=dict(plan.meta, predicted_iteration_s=seconds)).to_dict()
-        chosen, seconds = options[ranking[0]]
+        chosen, seconds = options[first]
         meta = dict(chosen.meta, predicted_iteration_s=seconds, predicted_options_s=predicted,
                     predicted_sparse_s=min(sparse, default=None), predicted_dense_s=predicted.get("dense"),
                     runner_up=runner_up)
@@ -120,15 +139,17 @@ class SAFusionPlanner(Planner):
 
     def _sparse_options(self, profile: Profile) -> dict[str, tuple[FusionPlan, float]]:
         """The best sparse plan and its predicted iteration seconds, over each communicator the
-        profile prices (the plan names it), or over the profile's own communication."""
-        if not profile.communicators:
-            plan = self._best(profile)
-            return {"sparse": (plan, simulate(profile, plan).iteration)}
+        profile prices (the plan names it) at each density it prices (the plan names it), or
+        over the profile's own communication and density. Keys: ``communicator@density``, or
+        either alone, or ``"sparse"``."""
         options = {}
-        for name in profile.communicators:
-            over = profile.over(name)
-            plan = replace(self._best(over), communicator=name)
-            options[name] = (plan, simulate(over, plan).iteration)
+        for density in sorted(profile.densities) or [None]:
+            at = profile if density is None else profile.at(density)
+            for name in at.communicators or [None]:
+                over = at if name is None else at.over(name)
+                plan = replace(self._best(over), communicator=name, density=density)
+                key = "@".join(x for x in (name, None if density is None else f"{density:g}") if x) or "sparse"
+                options[key] = (plan, simulate(over, plan).iteration)
         return options
 
     def _best(self, profile: Profile, dense: bool = False) -> FusionPlan:

@@ -103,6 +103,22 @@ def test_dgc_techniques_conserve_and_switch_density_together(job):
             assert d[0] > d[2] > d[3] > d[5] > d[6] == 0.01, d
 
 
+def test_density_auto_is_chosen_alike_conserves_across_changes_and_resumes_bit_for_bit(job):
+    """density="auto": every candidate priced, the trial settled, the same density on every rank
+    (or dense on every rank); a checkpoint after the choice resumes bit-identically; switching the
+    density between steps loses no gradient."""
+    from horovod_safusion.density import CANDIDATES
+    recs = per_rank(job, "density_choice")
+    for r in recs:
+        assert r["priced"] == list(CANDIDATES) and r["settled"], r
+        assert (r["density"], r["dense"]) == (recs[0]["density"], recs[0]["dense"]), r
+        assert r["dense"] or (r["density"] in CANDIDATES and r["target"] == r["density"]), r
+        assert r["resumed"] == {"plan": [r["density"], r["dense"]], "identical": True}, r["resumed"]
+        sw = r["switched"]
+        assert sw["densities"] == [0.1, 0.1, 0.001, 0.03, 0.003] and sw["replicas_equal"], sw
+        assert sw["conservation_diff"] < 1e-6, sw
+
+
 def test_unused_parameters_neither_hang_nor_lose_gradient(job):
     recs = per_rank(job, "unused_parameters")
     for label in ("none", "topk@0.25"):

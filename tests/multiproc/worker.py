@@ -199,6 +199,72 @@ def scenario_sparse_aggregation():
     return out
 
 
+def scenario_density_choice():
+    """density="auto": every candidate density priced, one chosen by the trial on every rank
+    alike; exact conservation ``before + g = after + sent`` per parameter across density changes;
+    a checkpoint taken after the choice resumes bit for bit."""
+    import copy
+    import io
+
+    def auto(m):
+        return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                        named_parameters=m.named_parameters(), density="auto", dense=False,
+                                        profile_steps=2)
+
+    def train(m, opt, steps, first):
+        for step in range(first, first + steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    m = make(width=16)
+    opt = auto(m)
+    train(m, opt, 30, 0)  # warm-up, profile, and the trial's blocks
+    plan = opt.plan
+    out = {"priced": sorted(opt.profile.densities), "settled": opt.settled, "density": plan.density,
+           "dense": plan.dense, "target": opt._controller.target_density}
+    # a checkpoint after the choice: the next steps, and the same steps resumed in a fresh optimizer
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)
+    train(m, opt, 3, 30)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    m2 = make(seed=1, width=16)
+    m2.load_state_dict(ckpt["model"])
+    opt2 = auto(m2)
+    opt2.load_state_dict(ckpt["optimizer"])
+    resumed_plan = opt2.plan.density, opt2.plan.dense
+    train(m2, opt2, 3, 30)
+    out["resumed"] = {"plan": list(resumed_plan), "identical": all(torch.equal(a, b) for a, b in
+                                                                 zip(m.parameters(), m2.parameters()))}
+    # density changes between steps: nothing lost
+    named = list(m.named_parameters())
+    worst, densities = 0.0, []
+    for step, d in enumerate((0.1, 0.1, 0.001, 0.03, 0.003)):
+        opt.set_plan(dataclasses.replace(plan, dense=False, density=d))
+        before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+        opt.zero_grad()
+        x, y = batch(200 + step)
+        local = LocalGradients(named)
+        F.cross_entropy(m(x), y).backward()
+        local.remove()
+        opt.synchronize()
+        densities.append(opt._controller.mode.density)
+        acc = [b + local.grads[n] for b, (n, _) in zip(before, named)]
+        after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+        all_acc, all_after = gather_dense(acc), gather_dense(after)
+        for i, (_, p) in enumerate(named):
+            sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
+            worst = max(worst, float(np.abs(p.grad.detach().view(-1).double().numpy() - sent_mean).max()))
+        with opt.skip_synchronize():
+            opt.step()
+    every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dch.eq")
+    out["switched"] = {"densities": densities, "conservation_diff": worst,
+                       "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
+    return out
+
+
 def scenario_dgc_techniques():
     """Momentum correction with masking, local clipping and a density warm-up under dgc at 0.01:
     per step, the job's aggregate is the mean of what left every rank (``before + u − after``,

@@ -1,0 +1,66 @@
+"""The density chosen for the link (``density="auto"``): send the most that the link hides.
+
+Ours. SAFusion §3.3 sizes fusion buffers so that communication hides behind back-propagation
+(Eq. 1); it takes the density as given (§5 uses 0.01 and 0.001). The density decides how much
+communication there is to hide, and the right value depends on the link and the model: on a
+slow link a lower density saves time until the communication is hidden, and below that it saves
+nothing and costs accuracy (DGC, Lin et al., ICLR'18, §3.3 and Table 2: 0.001 needs all of DGC's
+techniques to match dense accuracy); on a link that carries more for free, a higher density buys
+accuracy back at no cost in time; on a fast link dense is fastest, which the planner's dense
+choice already finds. One rule covers all three:
+
+    among the candidate densities (and dense, the cap), choose the highest whose predicted
+    iteration time is within :data:`MARGIN` of the fastest option's.
+
+The planner (:class:`~horovod_safusion.fusion.SAFusionPlanner`) predicts each candidate's
+iteration time from the profile — compression swept at every candidate density, communication
+from the same cost curves — and the measured trial (:mod:`~horovod_safusion.trial`) confirms the
+choice with the same preference: the denser of two plans is kept unless the other measured more
+than :data:`MARGIN` faster.
+
+Candidates, :data:`CANDIDATES`: half-decade steps from 0.001 to 0.1. 0.001 is the lowest density
+the papers train at (DGC's target; SAFusion §5); above 0.1 a selected element costs a value and an
+index (8 bytes against 4) and an allgather receives (P − 1)·k of them, so a sparse step sends about
+as much as a dense allreduce and dense, the cap, is the better choice. Half-decade steps because
+the cost model predicts to some tens of per cent; finer steps would be chosen by noise.
+:data:`MARGIN`: 5 %, about the spread of the step-time medians the trial compares.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+AUTO = "auto"
+#: The densities ``density="auto"`` chooses among, besides dense (see the module docstring).
+CANDIDATES = (0.001, 0.003, 0.01, 0.03, 0.1)
+#: A denser option is preferred while its iteration time is within this fraction of the fastest's.
+MARGIN = 0.05
+#: The density a job under ``density="auto"`` sends at until its first plan (the compressors' default).
+PROVISIONAL = 0.01
+
+
+def is_auto(density: object) -> bool:
+    """Whether ``density=`` asks for the density to be chosen (``"auto"``)."""
+    return isinstance(density, str) and density == AUTO
+
+
+def check_auto(density: object) -> None:
+    """A string ``density=`` other than ``"auto"`` is an error naming the accepted values."""
+    if isinstance(density, str) and density != AUTO:
+        raise ValueError(f"density must be a number with 0 < density <= 1 or 'auto', got {density!r}")
+
+
+def densest_within(predicted: Mapping[str, float], density: Mapping[str, float], margin: float = MARGIN) -> str:
+    """The option with the highest ``density`` among those whose ``predicted`` seconds are within
+    ``margin`` of the fastest (ties: the faster, then the name)."""
+    fastest = min(predicted.values())
+    near = [k for k, s in predicted.items() if s <= (1.0 + margin) * fastest]
+    return max(near, key=lambda k: (density[k], -predicted[k], k))
+
+
+def preferred(first: float | None, second: float | None, margin: float = MARGIN) -> tuple[int | None, float]:
+    """Between two plans sending at densities ``first`` and ``second`` (``None``: not a density
+    choice): the index of the denser one, or ``None`` where neither is preferred, and the factor by
+    which the other must be faster to win (``1 + margin``, or 1)."""
+    if first is None or second is None or first == second:
+        return None, 1.0
+    return (0 if first > second else 1), 1.0 + margin
