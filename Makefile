@@ -1,12 +1,13 @@
 # horovod-safusion — the two commands a user needs:
-#   make demo   install if needed, then train the digits CNN with Horovod and with SAFusion (2 workers)
+#   make demo   install if needed, then train the digits CNN with Horovod and with SAFusion (2 workers),
+#               as root on an emulated 200 Mbit/s link
 #   make test   install if needed, then the whole test suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence bench-scale cluster-up cluster-down clean
+.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence bench-tta bench-scale cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -15,8 +16,7 @@ $(STAMP): scripts/install.sh setup.py
 	touch $@
 
 demo: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
-		$(PY) examples/train_digits.py
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) examples/demo.py --np $(NP)
 
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests
@@ -34,6 +34,10 @@ bench-peers: $(STAMP)
 bench-scale: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_scale_out.py
+
+# time to accuracy of every scheme on emulated 200 Mbit/s and 1 Gbit/s links (root), about an hour
+bench-tta: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_time_to_accuracy.py
 
 bench-convergence: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -214,12 +214,18 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
 
 
 def train(key: str, task: Task, seed: int, args) -> dict:
+    model, opt, clip = build(key, task, seed, task.steps_per_epoch() * task.epochs, args)
+    return fit(model, opt, clip, task, seed, args)
+
+
+def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
+    """Train ``model`` with ``opt`` (clipping the aggregate gradient to ``clip``) for the task's
+    epochs in the seed's data order, evaluating ``args.evals`` times per epoch. Seconds are
+    training time only; the evaluations' time is kept apart (``eval_seconds``)."""
     per_epoch = task.steps_per_epoch()
-    total = per_epoch * task.epochs
-    model, opt, clip = build(key, task, seed, total, args)
     torch.manual_seed(seed * 7919 + task.rank)  # dropout: the same stream for every scheme
     evals = sorted({max(1, round(per_epoch * (j + 1) / args.evals)) for j in range(args.evals)})
-    curve, densities, elapsed, step = [], [], 0.0, 0
+    curve, densities, elapsed, evaluating, step = [], [], 0.0, 0.0, 0
     for epoch in range(task.epochs):
         perm = task.order(seed, epoch)
         for i in range(per_epoch):
@@ -241,9 +247,11 @@ def train(key: str, task: Task, seed: int, args) -> dict:
             if stats is not None:
                 densities.append(stats.density)
             if i + 1 in evals:
+                t0 = time.perf_counter()
                 curve.append({"step": step, "seconds": elapsed, "metric": task.evaluate(model)})
+                evaluating += time.perf_counter() - t0
     return {"curve": curve, "final": curve[-1]["metric"], "seconds": elapsed, "steps": step,
-            "density": float(np.mean(densities)) if densities else 1.0}
+            "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -341,7 +349,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     import torch.distributed as dist
-    port = hvd.broadcast_object(_free_port() if rank == 0 else None, root_rank=0, name="bench.port")
+    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0, name="bench.port")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     results = {}
     t_start = time.time()
@@ -371,7 +379,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,360 @@
+"""Time to accuracy on emulated links: how much sooner a job reaches its quality with the plugin.
+
+    python benchmarks/bench_time_to_accuracy.py [--models digits lstm] [--links 200mbit 1gbit]
+        [--seeds 0 1 2] [--schemes ...] [--out out/bench_tta]          (as root)
+    make bench-tta                                                     (the same)
+
+Users buy time to a given accuracy, not seconds per iteration. Per model, link and seed every
+scheme trains the same model from the same initialisation on the same data order, as its own job
+with its own launcher, on a link emulated by ``tc`` in a network namespace (``benchmarks/links.py``,
+as ``bench_peers`` does), 2 workers (``--np``), or one worker on each of ``--hosts`` hosts of a
+cluster on one machine (``scripts/cluster.sh``, every host's link limited):
+
+* ``horovod``: ``hvd.DistributedOptimizer``, dense; ``horovod-fp16``: the same with
+  ``Compression.fp16`` (horovodrun);
+* ``ddp-powersgd``: PyTorch DDP with its PowerSGD hook, rank 4, its default bucketing, dense for
+  the first 10 % of the steps (``start_powerSGD_iter``) (torchrun); ``ddp-powersgd-1bucket`` the
+  same in one bucket (``bucket_cap_mb`` above the model's size): with several buckets on Gloo the
+  hook's callbacks can start their allreduces in different orders on different ranks, and the
+  job aborts (``op.preamble.length <= op.nbytes``; the LSTM's default buckets did, every seed);
+* ours, ``horovod_safusion.DistributedOptimizer`` with its defaults (``dense="auto"``,
+  ``communicator="auto"``) and: ``safusion@0.01`` (``density=0.01``), ``safusion@0.001+dgc``
+  (``density=0.001`` with DGC's techniques: momentum correction with masking, a warm-up over the
+  first 10 % of the steps, local clipping where the task clips), ``safusion@auto``
+  (``density="auto"``) (horovodrun); on request (``--schemes``) also ``safusion@0.01+warmup``
+  (DGC's exponential warm-up alone, over the first 10 % of the steps).
+
+The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy) and
+the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
+median final metric of dense Horovod over the seeds of the same model and link, less 1 accuracy
+point (digits) or plus 3 % perplexity (LSTM). A scheme's time to the target is the training
+seconds (evaluations excluded and reported apart, so that they are charged to no scheme) until
+its metric first reaches the target; a seed that never does counts as missing (``—``).
+
+Jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift of the
+machine's speed spreads over all schemes; ratios are taken per seed (the same seed's jobs ran
+next to each other) and their median and min–max are reported (``Horovod/it``: Horovod's time to
+the target over this scheme's; ``PowerSGD/it`` and ``PSGD-1b/it`` likewise). Curves of quality against *wall
+time* (training seconds; medians over seeds with their min–max band) go to
+``--out``/tta_{model}.png, the table and every run to ``--out``/results.json. Needs root and
+iproute2 for a rate-limited link (``loopback`` runs without).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from links import INTERFACE, check_link, cluster, host_name, host_prefix, limited_link  # noqa: E402
+
+HOROVOD = ("horovod", "horovod-fp16")
+TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
+OURS = {"safusion@0.01": {"density": 0.01}, "safusion@0.001+dgc": {"density": 0.001, "dgc": True},
+        "safusion@auto": {"density": "auto"}, "safusion@0.01+warmup": {"density": 0.01, "warmup": True}}
+SCHEMES = (*HOROVOD, *TORCHRUN, "safusion@0.01", "safusion@0.001+dgc", "safusion@auto")  # the default run
+QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
+POWERSGD_RANK = 4
+JOB_TIMEOUT_S = 600  # the longest job (Horovod dense, LSTM at 200 Mbit/s) takes about 2 minutes; longer is a hang
+
+
+# ---- a worker: one scheme, one seed, in its own job -------------------------------------------
+def build(scheme: str, task, total_steps: int, args):
+    """(model, optimizer, clip of the aggregate gradient or None) as the scheme's users build them."""
+    import torch
+    import horovod.torch as hvd
+
+    torch.manual_seed(args.seed)
+    model = task.model()
+    sgd = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
+    warmup = max(2, int(args.warmup_fraction * total_steps))
+    if scheme in TORCHRUN:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+        mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        one_bucket = {"bucket_cap_mb": int(mb) + 1} if scheme == "ddp-powersgd-1bucket" else {}
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **one_bucket)  # broadcasts rank 0's weights
+        ddp.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                               start_powerSGD_iter=warmup), P.powerSGD_hook)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if scheme in HOROVOD:
+        compression = hvd.Compression.fp16 if scheme == "horovod-fp16" else hvd.Compression.none
+        return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                               compression=compression), task.clip
+    import horovod_safusion as saf
+    kw = dict(OURS[scheme])
+    clip = task.clip
+    if kw.pop("warmup", False):
+        kw["warmup_steps"] = warmup
+    if kw.pop("dgc", False):
+        kw.update(momentum_correction=True, warmup_steps=warmup)
+        if task.clip is not None:
+            kw["local_clipping"], clip = task.clip, None
+    return model, saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kw), clip
+
+
+def chosen(opt) -> dict:
+    """What our optimizer settled on (density, dense, communicator); empty for the peers."""
+    plan = getattr(opt, "plan", None)
+    if plan is None or not hasattr(plan, "density"):
+        return {}
+    return {"density": plan.density, "dense": plan.dense, "communicator": opt.communicator.name,
+            "target_density": opt._controller.target_density}
+
+
+def worker(args) -> None:
+    import torch
+    from bench_convergence import TASKS, fit
+
+    if args.scheme in TORCHRUN:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, size, leave = dist.get_rank(), dist.get_world_size(), dist.destroy_process_group
+    else:
+        if args.scheme in OURS:
+            import horovod_safusion  # noqa: F401  imported before hvd.init(), as a user's script does
+        import horovod.torch as hvd
+        hvd.init()
+        rank, size, leave = hvd.rank(), hvd.size(), hvd.shutdown
+    torch.set_num_threads(1)
+    task = TASKS[args.model](args, rank, size)
+    model, opt, clip = build(args.scheme, task, task.steps_per_epoch() * task.epochs, args)
+    t0 = time.perf_counter()
+    run = fit(model, opt, clip, task, args.seed, args)
+    run.update(wall=time.perf_counter() - t0, chosen=chosen(opt), workers=size)
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(run, f)
+    leave()
+
+
+# ---- the driver -------------------------------------------------------------------------------
+def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str], args) -> list[list[str]]:
+    """The job's launcher commands: torchrun for DDP, horovodrun for the rest, under ``prefix`` (a
+    limited link's namespace); on ``--hosts`` hosts of a cluster on one machine, horovodrun from
+    host 1 over ssh and torchrun once per host (one worker per host)."""
+    from bench_convergence import free_port
+
+    worker_cmd = [os.path.abspath(__file__), "--worker", "--model", model, "--scheme", scheme, "--seed", str(seed),
+                  "--result", result, "--digits-epochs", str(args.digits_epochs), "--lstm-epochs",
+                  str(args.lstm_epochs), "--evals", str(args.evals), "--valid-tokens", str(args.valid_tokens),
+                  "--warmup-fraction", str(args.warmup_fraction)]
+    hosts = args.hosts
+    if scheme in TORCHRUN:
+        port = str(free_port())
+        if not hosts:
+            return [prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
+                              "--master_addr", "127.0.0.1", "--master_port", port, *worker_cmd]]
+        return [host_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
+                                  "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr", host_name(0),
+                                  "--master_port", port, *worker_cmd] for i in range(hosts)]
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    if not hosts:
+        return [prefix + [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+                          *worker_cmd]]
+    slots = ",".join(f"{host_name(i)}:1" for i in range(hosts))
+    return [host_prefix(0) + [horovodrun, "-np", str(hosts), "-H", slots, "--gloo", "--network-interface",
+                              INTERFACE, sys.executable, *worker_cmd]]
+
+
+def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
+    """Run one job (its commands side by side); its result, or a record of why it failed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "w") as f:
+        procs = [subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env) for cmd in cmds]
+        try:
+            codes = [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
+        except subprocess.TimeoutExpired:  # a hang: the launchers and their workers go
+            for p in procs:
+                p.kill()
+            subprocess.run(["pkill", "-KILL", "-f", result], check=False)
+            codes = [p.wait() for p in procs]
+            f.write(f"\n*** killed after {JOB_TIMEOUT_S} s: a hang ***\n")
+    if not any(codes) and os.path.exists(result):
+        with open(result) as f:
+            return json.load(f)
+    with open(log) as f:
+        return {"failed": f"exit {max(codes, key=abs)}: " + f.read()[-600:]}
+
+
+def reached(run: dict, target: float, higher: bool) -> dict | None:
+    """The first evaluation of ``run`` at the target, or None."""
+    return next((p for p in run["curve"] if (p["metric"] >= target if higher else p["metric"] <= target)), None)
+
+
+def summarise(runs: dict, model: str, higher: bool) -> dict:
+    """Target, and per scheme: time and steps to the target, final metric, seconds, ratios."""
+    ok = {k: {s: r for s, r in by_seed.items() if "failed" not in r} for k, by_seed in runs.items()}
+    dense = [r["final"] for r in ok.get("horovod", {}).values()]
+    if not dense:
+        return {"target": None, "rows": {}}
+    base = float(np.median(dense))
+    target = base - QUALITY[model] if higher else base * (1 + QUALITY[model])
+    tta = {k: {s: (lambda h: None if h is None else h["seconds"])(reached(r, target, higher))
+               for s, r in by_seed.items()} for k, by_seed in ok.items()}
+    rows = {}
+    for key, by_seed in runs.items():
+        good = ok[key]
+        hits = [tta[key][s] for s in good]
+        finals = [r["final"] for r in good.values()]
+        row = {"seeds": len(good), "failed": {s: r["failed"] for s, r in by_seed.items() if "failed" in r},
+               "to_target_s": float(np.median(hits)) if hits and None not in hits else None,
+               "to_target_range": [min(hits), max(hits)] if hits and None not in hits else None,
+               "missed": [s for s in good if tta[key][s] is None],
+               "to_target_steps": [(lambda h: None if h is None else h["step"])(reached(r, target, higher))
+                                   for r in good.values()],
+               "final": float(np.median(finals)) if finals else None,
+               "final_range": [min(finals), max(finals)] if finals else None,
+               "train_s": float(np.median([r["seconds"] for r in good.values()])) if good else None,
+               "s_per_step": float(np.median([r["seconds"] / r["steps"] for r in good.values()])) if good else None,
+               "eval_s": float(np.median([r["eval_seconds"] for r in good.values()])) if good else None,
+               "chosen": [r.get("chosen") for r in good.values()]}
+        for other in ("horovod", "ddp-powersgd", "ddp-powersgd-1bucket", "safusion@0.01", "safusion@0.001+dgc"):
+            pairs = [tta[other][s] / tta[key][s] for s in good
+                     if s in tta.get(other, {}) and tta[other][s] is not None and tta[key][s] is not None]
+            if pairs and key != other:
+                row[f"vs_{other}"] = {"median": float(np.median(pairs)), "min": min(pairs), "max": max(pairs),
+                                      "seeds": len(pairs)}
+        rows[key] = row
+    return {"dense_final": base, "target": target, "rows": rows}
+
+
+def print_table(model: str, link: str, s: dict, metric: str) -> None:
+    if s["target"] is None:
+        print(f"\n{model} @ {link}: dense Horovod has no finished run, so no target")
+        return
+    print(f"\n{model} @ {link}: {metric}; target {s['target']:.4g} (dense Horovod's median final "
+          f"{s['dense_final']:.4g} {'− 1 point' if QUALITY[model] == 0.01 and model == 'digits' else '+ 3 %'})")
+    print(f"{'scheme':<20} {'to target s [min–max]':>24} {'steps':>14} {'final [min–max]':>24} {'s/step':>7} "
+          f"{'eval s':>7} {'Horovod/it':>11} {'PowerSGD/it':>12} {'PSGD-1b/it':>11}  chosen")
+    for key, r in s["rows"].items():
+        tt = "—" if r["to_target_s"] is None else \
+            f"{r['to_target_s']:.1f} [{r['to_target_range'][0]:.1f}–{r['to_target_range'][1]:.1f}]"
+        if r["missed"]:
+            tt += f" (missed: seeds {r['missed']})"
+        fin = "—" if r["final"] is None else f"{r['final']:.4f} [{r['final_range'][0]:.4f}–{r['final_range'][1]:.4f}]"
+        vs = [(lambda v: "" if v is None else f"{v['median']:.2f}×")(r.get(f"vs_{o}"))
+              for o in ("horovod", "ddp-powersgd", "ddp-powersgd-1bucket")]
+        steps = ",".join("—" if x is None else str(x) for x in r["to_target_steps"])
+        ch = "; ".join("dense" if c.get("dense") else f"{c.get('target_density'):g}/{c.get('communicator')}"
+                       for c in r["chosen"] if c)
+        print(f"{key:<20} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} "
+              f"{vs[0]:>11} {vs[1]:>12} {vs[2]:>11}  {ch}")
+        for seed, why in r["failed"].items():
+            print(f"    seed {seed} failed: {why.strip().splitlines()[-1] if why.strip() else why}")
+
+
+def plot(results: dict, model: str, metric: str, higher: bool, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(results)
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        workers = next((r["workers"] for by_seed in results[link]["runs"].values() for r in by_seed.values()
+                        if "workers" in r), "?")
+        for key, by_seed in results[link]["runs"].items():
+            curves = [r["curve"] for r in by_seed.values() if "failed" not in r]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            t = np.median([[p["seconds"] for p in c[:n]] for c in curves], axis=0)
+            m = np.array([[p["metric"] for p in c[:n]] for c in curves])
+            line, = ax.plot(t, np.median(m, axis=0), label=key, lw=2 if key == "safusion@auto" else 1)
+            ax.fill_between(t, m.min(axis=0), m.max(axis=0), color=line.get_color(), alpha=0.15)
+        target = results[link]["summary"]["target"]
+        if target is not None:
+            ax.axhline(target, color="k", ls=":", lw=1, label="target")
+        ax.set_title(f"{model} @ {link}, {workers} workers", fontsize=10)
+        ax.set_xlabel("training seconds (evaluation excluded)")
+        ax.set_ylabel(f"{metric} (median of seeds, min–max band)")
+        if not higher:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def drive(args) -> None:
+    from tqdm import tqdm
+    from bench_convergence import TASKS
+
+    for link in args.links:
+        check_link(link)
+    os.makedirs(args.out, exist_ok=True)
+    logs = os.path.join(args.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    results: dict = {}
+    t_start = time.time()
+    total = len(args.models) * len(args.links) * len(args.seeds) * len(args.schemes)
+    with tqdm(total=total, desc="jobs", dynamic_ncols=True) as bar:
+        for model in args.models:
+            results[model] = {}
+            for link in args.links:
+                runs: dict = {k: {} for k in args.schemes}
+                with (cluster(args.hosts, link) if args.hosts else limited_link(link)) as prefix:
+                    for i, seed in enumerate(args.seeds):
+                        order = args.schemes[i % len(args.schemes):] + args.schemes[:i % len(args.schemes)]
+                        for scheme in order:
+                            bar.set_postfix_str(f"{model} {link} seed {seed} {scheme}")
+                            name = f"{model}_{link}_{seed}_{scheme}".replace("@", "_at_").replace("+", "_")
+                            result, log = os.path.join(logs, name + ".json"), os.path.join(logs, name + ".log")
+                            if os.path.exists(result):
+                                os.remove(result)
+                            runs[scheme][seed] = run_job(commands(scheme, model, seed, result, prefix, args), result,
+                                                         log)
+                            bar.update()
+                task = TASKS[model]
+                summary = summarise(runs, model, task.higher_is_better)
+                results[model][link] = {"runs": runs, "summary": summary}
+                tqdm.write("")
+                print_table(model, link, summary, task.metric)
+                plot(results[model], model, task.metric, task.higher_is_better,
+                     os.path.join(args.out, f"tta_{model}.png"))
+                with open(os.path.join(args.out, "results.json"), "w") as f:
+                    json.dump({"args": vars(args), "minutes": (time.time() - t_start) / 60, "results": results}, f,
+                              indent=1)
+    print(f"\n{(time.time() - t_start) / 60:.1f} minutes; wrote {args.out}/results.json and tta_*.png")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["digits", "lstm"], choices=["digits", "lstm"])
+    ap.add_argument("--links", nargs="+", default=["200mbit", "1gbit"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=[*HOROVOD, *TORCHRUN, *OURS])
+    ap.add_argument("--np", type=int, default=2, help="workers on one host")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="instead: this many hosts of a cluster on one machine (scripts/cluster.sh), one worker "
+                         "each, every host's link limited to --links")
+    ap.add_argument("--digits-epochs", type=int, default=8)
+    ap.add_argument("--lstm-epochs", type=int, default=2)
+    ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
+    ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
+    ap.add_argument("--warmup-fraction", type=float, default=0.1,
+                    help="DGC's warm-up and PowerSGD's dense start, as a fraction of the run's steps")
+    ap.add_argument("--out", default="out/bench_tta")
+    # a worker's own arguments (the driver passes them)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--scheme", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()
