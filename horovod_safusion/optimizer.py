@@ -590,7 +590,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                  (default 0.01). Lower saves traffic; too low slows convergence. ``"auto"`` (with
                  ``fusion="safusion"``): the highest of 0.001, 0.003, 0.01, 0.03, 0.1 and dense
                  whose iteration time, predicted from the profile and confirmed by a measured
-                 trial, is within 5 % of the fastest — the most the link hides behind
+                 trial, is within 20 % of the fastest — the most the link hides behind
                  back-propagation (0.01 until the first plan; rank 0 says what it chose; a
                  warm-up ends at the chosen density).
         fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized

@@ -25,14 +25,18 @@ from .segment import Segments
 from .session import collective
 
 SWEEP_POINTS = 12
+#: Message sizes per communicator sweep: a collective's cost is latency + bytes / bandwidth, which
+#: fewer points fit, and each point costs collectives of every rank (several rounds for SparDL and
+#: ZEN) paced by Horovod's cycle time.
+COMMUNICATION_POINTS = 8
 #: The dense allreduce is timed up to this many bytes and extrapolated linearly beyond (it costs
 #: latency + bytes / bandwidth), so that pricing it on a slow link takes seconds, not minutes.
 DENSE_SWEEP_BYTES = 4 << 20
 
 
-def sizes(lo: int, hi: int) -> list[int]:
-    """:data:`SWEEP_POINTS` sizes spaced geometrically from ``lo`` to ``hi`` (fewer where they round alike)."""
-    return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), SWEEP_POINTS)})
+def sizes(lo: int, hi: int, points: int = SWEEP_POINTS) -> list[int]:
+    """``points`` sizes spaced geometrically from ``lo`` to ``hi`` (fewer where they round alike)."""
+    return sorted({int(round(v)) for v in np.geomspace(max(1, lo), max(1, hi), points)})
 
 
 def time_compression(compressor: Compressor, source: torch.Tensor, seg_sizes: Sequence[int],
@@ -94,7 +98,7 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
 
 
 def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
-                        dtype: torch.dtype, device: torch.device, reps: int = 3) -> tuple[list[float], list[float]]:
+                        dtype: torch.dtype, device: torch.device, reps: int = 2) -> tuple[list[float], list[float]]:
     """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
     job's ``tensors`` send at ``density`` (a collective: every rank of its process set). The
     collectives have no target: what they deliver is not added anywhere (the steps' decoding
@@ -114,7 +118,7 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     clock = Clock(device)
     rank = communicator.process_set.rank()
     nbytes, seconds = [], []
-    for j, count in enumerate(sizes(1, most)):
+    for j, count in enumerate(sizes(1, most, COMMUNICATION_POINTS)):
         numel = count if dense or density >= 1.0 else max(count, int(count / density))
         values = torch.randn(count, dtype=dtype, device=device)
         stride = numel // count

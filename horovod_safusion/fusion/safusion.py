@@ -48,7 +48,9 @@ sparse plan is made and simulated at each density over each communicator, and th
 is the densest option (dense counts as density 1) whose predicted iteration time is within
 :data:`~horovod_safusion.density.MARGIN` of the fastest option's: the most the link hides behind
 back-propagation. The plan names its density (:attr:`FusionPlan.density`); the runner-up is the
-fastest option, or the second fastest where the chosen is the fastest.
+next option down — the densest of those predicted faster — so that the trial steps down one
+density where the chosen one measures too slow, or the second fastest where the chosen is the
+fastest.
 
 Note that when Eq. (1) holds strictly at every boundary, ``Σ_{i<M} T_cm^i > Σ_{j≥2} F_j``, so Eq. (3)
 then merges at least the last two buffers: Figure 10 shows Step-1's result, Figure 11 Step-2's.
@@ -123,9 +125,12 @@ class SAFusionPlanner(Planner):
         ranking = sorted(options, key=lambda k: (options[k][1], k))
         predicted = {k: options[k][1] for k in ranking}
         first = ranking[0]
-        if profile.densities:  # density="auto": the densest option near the fastest
-            first = densest_within(predicted, {k: sent_density(options[k][0], profile) for k in ranking})
-            ranking = [first] + [k for k in ranking if k != first]
+        if profile.densities:  # density="auto": the densest option near the fastest, then the next one down
+            density = {k: sent_density(options[k][0], profile) for k in ranking}
+            first = densest_within(predicted, density)
+            faster = [k for k in ranking if predicted[k] < predicted[first] and density[k] < density[first]]
+            below = max(faster, key=lambda k: (density[k], -predicted[k]), default=None)
+            ranking = [first] + ([below] if below else []) + [k for k in ranking if k not in (first, below)]
         sparse = [t for k, t in predicted.items() if k != "dense"]
         runner_up = None
         if len(ranking) > 1:
