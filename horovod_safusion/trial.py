@@ -183,7 +183,8 @@ def start(plan: FusionPlan) -> DenseTrial | None:
     denser, factor = preferred(density_of(plan), density_of(other))
     if plan.density is not None:
         announce(f"density {plan.density:g} chosen: the highest whose predicted iteration is within "
-                 f"{MARGIN:.0%} of the fastest option's ({describe(other)}: {theirs:.3f} s against {mine:.3f} s)")
+                 f"{MARGIN:.0%} of the fastest option's ({mine:.3f} s; measured against {describe(other)}, "
+                 f"predicted {theirs:.3f} s)")
     if theirs > TRIAL_MARGIN * mine:
         if plan.dense:
             announce(f"dense allreduce predicted faster than sparse: {mine:.3f} s/iteration against "
