@@ -63,6 +63,9 @@ from corpus import stdlib_split  # noqa: E402
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 from models import LSTMLanguageModel  # noqa: E402
 
+sys.path.insert(0, HERE)
+from links import free_port  # noqa: E402
+
 FUSIONS = ("safusion", "wfbp", "oktopk", "omgs", "cupcake")
 DENSITIES = (0.01, 0.001)
 POWERSGD_RANK = 4
@@ -325,6 +328,21 @@ def plot(model: str, task_cls, runs: dict, path: str) -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------
+#: The options of the training itself (the tasks' length, evaluation and warm-up), which
+#: ``bench_time_to_accuracy`` passes on to its workers.
+TRAINING_ARGS = ("digits_epochs", "lstm_epochs", "evals", "valid_tokens", "warmup_fraction")
+
+
+def add_training_args(ap: argparse.ArgumentParser) -> None:
+    """The options of :data:`TRAINING_ARGS`."""
+    ap.add_argument("--digits-epochs", type=int, default=8)
+    ap.add_argument("--lstm-epochs", type=int, default=2)
+    ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
+    ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
+    ap.add_argument("--warmup-fraction", type=float, default=0.1,
+                    help="DGC's warm-up (+dgc schemes) and PowerSGD's dense start, as a fraction of the run's steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -332,12 +350,7 @@ def main() -> None:
     ap.add_argument("--fusions", nargs="+", default=list(FUSIONS))
     ap.add_argument("--densities", nargs="+", type=float, default=list(DENSITIES))
     ap.add_argument("--schemes", nargs="+", help="only these keys (default: every scheme; see the docstring)")
-    ap.add_argument("--digits-epochs", type=int, default=8)
-    ap.add_argument("--lstm-epochs", type=int, default=2)
-    ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
-    ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
-    ap.add_argument("--warmup-fraction", type=float, default=0.1,
-                    help="+dgc schemes' warm-up, and PowerSGD's dense start, as a fraction of the run's steps")
+    add_training_args(ap)
     ap.add_argument("--out", default="out/bench_convergence")
     args = ap.parse_args()
     keys = args.schemes or scheme_keys(args)
@@ -377,13 +390,6 @@ def main() -> None:
         print(f"\n{(time.time() - t_start) / 60:.1f} minutes; wrote {args.out}/results.json and "
               f"convergence_*.png")
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

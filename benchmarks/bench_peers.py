@@ -119,7 +119,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -129,7 +128,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import INTERFACE, LOOPBACK, check_link, cluster, host_name, host_prefix, limited_link  # noqa: E402
+from links import INTERFACE, LOOPBACK, check_link, cluster, launchers, limited_link  # noqa: E402
 
 PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
@@ -520,41 +519,18 @@ class Job:
         return [f"{kind}.{r}" if rnd is None else f"{kind}.{rnd}.{r}" for r in range(self.workers)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def slug(text: str) -> str:
     """``text`` as a file name."""
     return re.sub(r"[^\w.=-]+", "_", text)
 
 
 def commands(job: Job, model: str, args, prefix: list[str]) -> list[list[str]]:
-    """The job's launcher commands: torchrun for compute and DDP's schemes, horovodrun for the rest,
-    run under ``prefix`` (a limited link's namespace). On the hosts of a cluster (``args.on_hosts``
-    hosts, one worker each): horovodrun from host 1 with ``-H h1:1,...``, over ssh; torchrun once per
-    host, meeting at host 1 (a static multi-node rendezvous)."""
+    """The job's launcher commands (:func:`links.launchers`): torchrun for compute and DDP's
+    schemes, horovodrun for the rest, under ``prefix`` or on ``args.on_hosts`` hosts of a cluster."""
     worker_cmd = [os.path.abspath(__file__), "--worker", "--job-dir", job.ctl.path, "--models", model,
                   "--schemes", job.key, "--pin" if args.pin else "--no-pin",
                   *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in WORKER_ARGS), [])]
-    hosts = args.on_hosts
-    if job.kind in TORCHRUN:
-        port = str(free_port())
-        if not hosts:
-            return [prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
-                              "--master_addr", "127.0.0.1", "--master_port", port, *worker_cmd]]
-        return [host_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
-                                  "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr", host_name(0),
-                                  "--master_port", port, *worker_cmd] for i in range(hosts)]
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    if not hosts:
-        return [prefix + [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
-                          *worker_cmd]]
-    slots = ",".join(f"{host_name(i)}:1" for i in range(hosts))
-    return [host_prefix(0) + [horovodrun, "-np", str(hosts), "-H", slots, "--gloo", "--network-interface", INTERFACE,
-                              sys.executable, *worker_cmd]]
+    return launchers(worker_cmd, job.kind in TORCHRUN, args.np, args.on_hosts, prefix)
 
 
 def launch(job: Job, cmds: list[list[str]]) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import INTERFACE, check_link, cluster, host_name, host_prefix, limited_link  # noqa: E402
+from links import check_link, cluster, launchers, limited_link  # noqa: E402
 
 HOROVOD = ("horovod", "horovod-fp16")
 TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
@@ -137,31 +136,14 @@ def worker(args) -> None:
 
 # ---- the driver -------------------------------------------------------------------------------
 def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str], args) -> list[list[str]]:
-    """The job's launcher commands: torchrun for DDP, horovodrun for the rest, under ``prefix`` (a
-    limited link's namespace); on ``--hosts`` hosts of a cluster on one machine, horovodrun from
-    host 1 over ssh and torchrun once per host (one worker per host)."""
-    from bench_convergence import free_port
+    """The job's launcher commands (:func:`links.launchers`): torchrun for DDP, horovodrun for the
+    rest, under ``prefix`` (a limited link's namespace) or on ``--hosts`` hosts of a cluster."""
+    from bench_convergence import TRAINING_ARGS
 
     worker_cmd = [os.path.abspath(__file__), "--worker", "--model", model, "--scheme", scheme, "--seed", str(seed),
-                  "--result", result, "--digits-epochs", str(args.digits_epochs), "--lstm-epochs",
-                  str(args.lstm_epochs), "--evals", str(args.evals), "--valid-tokens", str(args.valid_tokens),
-                  "--warmup-fraction", str(args.warmup_fraction)]
-    hosts = args.hosts
-    if scheme in TORCHRUN:
-        port = str(free_port())
-        if not hosts:
-            return [prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.np),
-                              "--master_addr", "127.0.0.1", "--master_port", port, *worker_cmd]]
-        return [host_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
-                                  "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr", host_name(0),
-                                  "--master_port", port, *worker_cmd] for i in range(hosts)]
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    if not hosts:
-        return [prefix + [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
-                          *worker_cmd]]
-    slots = ",".join(f"{host_name(i)}:1" for i in range(hosts))
-    return [host_prefix(0) + [horovodrun, "-np", str(hosts), "-H", slots, "--gloo", "--network-interface",
-                              INTERFACE, sys.executable, *worker_cmd]]
+                  "--result", result,
+                  *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in TRAINING_ARGS), [])]
+    return launchers(worker_cmd, scheme in TORCHRUN, args.np, args.hosts, prefix)
 
 
 def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
@@ -327,6 +309,8 @@ def drive(args) -> None:
 
 
 def main() -> None:
+    from bench_convergence import add_training_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["digits", "lstm"], choices=["digits", "lstm"])
     ap.add_argument("--links", nargs="+", default=["200mbit", "1gbit"])
@@ -336,12 +320,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=0,
                     help="instead: this many hosts of a cluster on one machine (scripts/cluster.sh), one worker "
                          "each, every host's link limited to --links")
-    ap.add_argument("--digits-epochs", type=int, default=8)
-    ap.add_argument("--lstm-epochs", type=int, default=2)
-    ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
-    ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
-    ap.add_argument("--warmup-fraction", type=float, default=0.1,
-                    help="DGC's warm-up and PowerSGD's dense start, as a fraction of the run's steps")
+    add_training_args(ap)
     ap.add_argument("--out", default="out/bench_tta")
     # a worker's own arguments (the driver passes them)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from contextlib import contextmanager
 
 LOOPBACK = "loopback"
@@ -86,3 +88,33 @@ def cluster(hosts: int, link: str | None, option: str = "--hosts"):
         yield []  # commands say which host they run on (host_prefix)
     finally:
         subprocess.run(["bash", CLUSTER, "down"], check=False)
+
+
+def free_port() -> int:
+    """A free TCP port of this host's loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launchers(worker_cmd: list[str], torchrun: bool, np_: int, hosts: int, prefix: list[str]) -> list[list[str]]:
+    """A job's launcher commands for ``worker_cmd`` (a Python script and its arguments): torchrun
+    (``torchrun=True``) or horovodrun, ``np_`` workers on this host under ``prefix`` (a limited
+    link's namespace); or on ``hosts`` hosts of a cluster, one worker each: horovodrun from host 1
+    with ``-H h1:1,...`` over ssh, torchrun once per host meeting at host 1 (a static multi-node
+    rendezvous)."""
+    if torchrun:
+        port = str(free_port())
+        if not hosts:
+            return [prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np_),
+                              "--master_addr", "127.0.0.1", "--master_port", port, *worker_cmd]]
+        return [host_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
+                                  "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr", host_name(0),
+                                  "--master_port", port, *worker_cmd] for i in range(hosts)]
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    if not hosts:
+        return [prefix + [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable,
+                          *worker_cmd]]
+    slots = ",".join(f"{host_name(i)}:1" for i in range(hosts))
+    return [host_prefix(0) + [horovodrun, "-np", str(hosts), "-H", slots, "--gloo", "--network-interface", INTERFACE,
+                              sys.executable, *worker_cmd]]
