@@ -224,15 +224,16 @@ def train(key: str, task: Task, seed: int, args) -> dict:
 def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
     """Train ``model`` with ``opt`` (clipping the aggregate gradient to ``clip``) for the task's
     epochs in the seed's data order, evaluating ``args.evals`` times per epoch. Seconds are
-    training time only; the evaluations' time is kept apart (``eval_seconds``)."""
+    training time only (``cpu_seconds``: this process's CPU time over the same steps, all its
+    threads); the evaluations' time is kept apart (``eval_seconds``)."""
     per_epoch = task.steps_per_epoch()
     torch.manual_seed(seed * 7919 + task.rank)  # dropout: the same stream for every scheme
     evals = sorted({max(1, round(per_epoch * (j + 1) / args.evals)) for j in range(args.evals)})
-    curve, densities, elapsed, evaluating, step = [], [], 0.0, 0.0, 0
+    curve, densities, elapsed, cpu, evaluating, step = [], [], 0.0, 0.0, 0.0, 0
     for epoch in range(task.epochs):
         perm = task.order(seed, epoch)
         for i in range(per_epoch):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             task.loss(model, perm, i).backward()
             if clip is not None and hasattr(opt, "synchronize"):  # Horovod's recipe: clip the aggregate
@@ -245,6 +246,7 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
             elapsed += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             step += 1
             stats = getattr(opt, "last_stats", None)
             if stats is not None:
@@ -254,7 +256,7 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
                 curve.append({"step": step, "seconds": elapsed, "metric": task.evaluate(model)})
                 evaluating += time.perf_counter() - t0
     return {"curve": curve, "final": curve[-1]["metric"], "seconds": elapsed, "steps": step,
-            "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
+            "cpu_seconds": cpu, "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
 
 
 # ---- report -------------------------------------------------------------------------------------

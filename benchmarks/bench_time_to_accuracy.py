@@ -197,6 +197,8 @@ def summarise(runs: dict, model: str, higher: bool) -> dict:
                "train_s": float(np.median([r["seconds"] for r in good.values()])) if good else None,
                "s_per_step": float(np.median([r["seconds"] / r["steps"] for r in good.values()])) if good else None,
                "eval_s": float(np.median([r["eval_seconds"] for r in good.values()])) if good else None,
+               "cpu_per_step": float(np.median([r["cpu_seconds"] / r["steps"] for r in good.values()]))
+               if good and all("cpu_seconds" in r for r in good.values()) else None,
                "chosen": [r.get("chosen") for r in good.values()]}
         for other in ("horovod", "ddp-powersgd", "ddp-powersgd-1bucket", "safusion@0.01", "safusion@0.001+dgc"):
             pairs = [tta[other][s] / tta[key][s] for s in good
@@ -215,7 +217,7 @@ def print_table(model: str, link: str, s: dict, metric: str) -> None:
     print(f"\n{model} @ {link}: {metric}; target {s['target']:.4g} (dense Horovod's median final "
           f"{s['dense_final']:.4g} {'− 1 point' if QUALITY[model] == 0.01 and model == 'digits' else '+ 3 %'})")
     print(f"{'scheme':<20} {'to target s [min–max]':>24} {'steps':>14} {'final [min–max]':>24} {'s/step':>7} "
-          f"{'eval s':>7} {'Horovod/it':>11} {'PowerSGD/it':>12} {'PSGD-1b/it':>11}  chosen")
+          f"{'eval s':>7} {'CPU s/step':>10} {'Horovod/it':>11} {'PowerSGD/it':>12} {'PSGD-1b/it':>11}  chosen")
     for key, r in s["rows"].items():
         tt = "—" if r["to_target_s"] is None else \
             f"{r['to_target_s']:.1f} [{r['to_target_range'][0]:.1f}–{r['to_target_range'][1]:.1f}]"
@@ -227,7 +229,8 @@ def print_table(model: str, link: str, s: dict, metric: str) -> None:
         steps = ",".join("—" if x is None else str(x) for x in r["to_target_steps"])
         ch = "; ".join("dense" if c.get("dense") else f"{c.get('target_density'):g}/{c.get('communicator')}"
                        for c in r["chosen"] if c)
-        print(f"{key:<20} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} "
+        cpu = "" if r["cpu_per_step"] is None else f"{r['cpu_per_step']:.3f}"
+        print(f"{key:<20} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} {cpu:>10} "
               f"{vs[0]:>11} {vs[1]:>12} {vs[2]:>11}  {ch}")
         for seed, why in r["failed"].items():
             print(f"    seed {seed} failed: {why.strip().splitlines()[-1] if why.strip() else why}")
