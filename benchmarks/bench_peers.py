@@ -177,7 +177,7 @@ def parse_scheme(token: str) -> tuple[str, str, dict]:
             raise SystemExit(f"--schemes {token}: {pair!r} is not key=value")
         try:
             if key == "density":
-                kwargs[key] = float(value)
+                kwargs[key] = value if value == "auto" else float(value)
             elif key in INT_KEYS:
                 kwargs[key] = int(value)
             else:  # true/false become booleans (e.g. dense=false), anything else stays a string

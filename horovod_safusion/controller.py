@@ -105,8 +105,6 @@ class Controller:
         self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
         self.min_selected = min_selected
         self.densities = tuple(densities)  # the candidates of density="auto", else none
-        self.target_density = 1.0 if compressor.dense else compressor.density
-        self.asked_density: "float | str" = AUTO if self.densities else self.target_density
         self.loss_scale = LossScale(loss_scale)
         self.filler = Filler(self.residuals, momentum, clipping, sparse_as_dense)
         self.sender = Sender(communicator, self.reduction)
@@ -155,14 +153,20 @@ class Controller:
                              f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r} or 'auto')")
         self.communicator = self.sender.communicator = self.communicators[name]
 
+    @property
+    def asked_density(self) -> "float | str":
+        """``density=`` as given: ``"auto"``, or the compressor's (1 for a dense one)."""
+        return AUTO if self.densities else 1.0 if self.compressor.dense else self.compressor.density
+
     def _aim(self, density: float | None) -> None:
-        """Select at ``density`` from now on, and end a warm-up there (``None``: as asked, or at
-        the provisional density of ``density="auto"`` until a plan chooses one)."""
+        """Select at ``density`` from now on, and end a warm-up there (``None``: the compressor's,
+        which under ``density="auto"`` is the provisional one until a plan chooses)."""
         if density is not None and not self.densities:
             raise ValueError(f"the fusion plan selects at density {density!r}, but this optimizer was given "
                              f"density={self.asked_density!r}; pass density='auto' to let a plan choose it")
-        if not self.compressor.dense:
-            self.target_density = density if density is not None else self.compressor.density
+        if self.compressor.dense:
+            density = 1.0
+        self.target_density = self.compressor.density if density is None else density
         if self.warmup is not None:
             self.warmup.target = self.target_density
 

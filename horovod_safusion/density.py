@@ -33,15 +33,16 @@ the time a step down in density typically saves once communication is mostly hid
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from .plan import FusionPlan
 
 AUTO = "auto"
 #: The densities ``density="auto"`` chooses among, besides dense (see the module docstring).
 CANDIDATES = (0.001, 0.003, 0.01, 0.03, 0.1)
 #: A denser option is preferred while its iteration time is within this fraction of the fastest's.
 MARGIN = 0.2
-#: The density a job under ``density="auto"`` sends at until its first plan (the compressors' default).
-PROVISIONAL = 0.01
 
 
 def is_auto(density: object) -> bool:
@@ -53,6 +54,11 @@ def check_auto(density: object) -> None:
     """A string ``density=`` other than ``"auto"`` is an error naming the accepted values."""
     if isinstance(density, str) and density != AUTO:
         raise ValueError(f"density must be a number with 0 < density <= 1 or 'auto', got {density!r}")
+
+
+def density_of(plan: "FusionPlan") -> float | None:
+    """The density ``plan`` chose (1 for a dense plan), or ``None`` where it chose none."""
+    return 1.0 if plan.dense else plan.density
 
 
 def densest_within(predicted: Mapping[str, float], density: Mapping[str, float], margin: float = MARGIN) -> str:

@@ -504,7 +504,6 @@ def _set_dense_choice(planner: Planner, dense: "bool | str | None") -> None:
 def _density_candidates(planner: Planner, compressor: Compressor, density: Any) -> tuple[float, ...]:
     """The densities ``density="auto"`` chooses among (none for a given density): a sparse
     compressor's, chosen by a planner that can (``fusion="safusion"``)."""
-    check_auto(density)
     if not is_auto(density):
         return ()
     if compressor.dense:

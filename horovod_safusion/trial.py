@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import horovod.torch as hvd
 
-from .density import MARGIN, preferred
+from .density import MARGIN, density_of, preferred
 from .plan import FusionPlan
 from .session import collective
 
@@ -53,11 +53,6 @@ def describe(plan: FusionPlan) -> str:
         return "dense allreduce"
     at = "" if plan.density is None else f" at density {plan.density:g}"
     return f"sparse{at}" if plan.communicator is None else f"sparse{at} over {plan.communicator}"
-
-
-def density_of(plan: FusionPlan) -> float | None:
-    """The density ``plan`` chose (1 for dense), or ``None`` where it chose none."""
-    return 1.0 if plan.dense else plan.density
 
 
 def predicted(plan: FusionPlan, chosen: dict) -> float:

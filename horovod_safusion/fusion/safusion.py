@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..density import densest_within
+from ..density import densest_within, density_of
 from ..plan import FusionPlan, TensorInfo, split_at_group_changes
 from .planner import Planner, register_planner
 from .safusion_inter import InterPlanner
@@ -71,8 +71,9 @@ GUARD_BUFFER_COUNTS = (1, 2, 4, 8, 16)
 
 
 def sent_density(plan: FusionPlan, profile: Profile) -> float:
-    """The density ``plan`` sends at: 1 for a dense plan, else its own or the profile's."""
-    return 1.0 if plan.dense else plan.density if plan.density is not None else profile.density
+    """The density ``plan`` sends at: its own (1 for a dense plan), else the profile's."""
+    chosen = density_of(plan)
+    return profile.density if chosen is None else chosen
 
 
 def check_dense_choice(dense: "bool | str") -> "bool | str":

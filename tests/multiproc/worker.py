@@ -159,6 +159,23 @@ def gather_dense(tensors):
             for r in hvd.allgather_object([t.double().numpy() for t in tensors], name="ref.gather")]
 
 
+def residuals_of(opt, named):
+    """This rank's residual of each of ``named`` (flat), copied."""
+    return [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+
+
+def conservation_diff(named, acc, after) -> float:
+    """The largest difference, over ``named`` parameters, between the job's aggregate ``p.grad``
+    and the mean over ranks of what left each rank: what it held before sending (``acc``:
+    residual plus new gradient) less what it holds after (``after``: the new residual)."""
+    all_acc, all_after = gather_dense(acc), gather_dense(after)
+    worst = 0.0
+    for i, (_, p) in enumerate(named):
+        sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
+        worst = max(worst, float(np.abs(p.grad.detach().view(-1).double().numpy() - sent_mean).max()))
+    return worst
+
+
 def scenario_sparse_aggregation():
     """density 0.01: the aggregate equals a reference computed from all ranks' accumulators."""
     out = {}
@@ -170,13 +187,13 @@ def scenario_sparse_aggregation():
         named = list(m.named_parameters())
         worst_ref, worst_cons, missing = 0.0, 0.0, 0
         for step in range(4):
-            before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            before = residuals_of(opt, named)
             opt.zero_grad()
             x, y = batch(step)
             F.cross_entropy(m(x), y).backward()
             acc = [p.grad.detach().view(-1) + r for (_, p), r in zip(named, before)]
             opt.synchronize()
-            after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            after = residuals_of(opt, named)
             all_acc, all_after = gather_dense(acc), gather_dense(after)
             for i, (_, p) in enumerate(named):
                 got = p.grad.detach().view(-1).double().numpy()
@@ -243,7 +260,7 @@ def scenario_density_choice():
     worst, densities = 0.0, []
     for step, d in enumerate((0.1, 0.1, 0.001, 0.03, 0.003)):
         opt.set_plan(dataclasses.replace(plan, dense=False, density=d))
-        before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+        before = residuals_of(opt, named)
         opt.zero_grad()
         x, y = batch(200 + step)
         local = LocalGradients(named)
@@ -252,11 +269,7 @@ def scenario_density_choice():
         opt.synchronize()
         densities.append(opt._controller.mode.density)
         acc = [b + local.grads[n] for b, (n, _) in zip(before, named)]
-        after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
-        all_acc, all_after = gather_dense(acc), gather_dense(after)
-        for i, (_, p) in enumerate(named):
-            sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
-            worst = max(worst, float(np.abs(p.grad.detach().view(-1).double().numpy() - sent_mean).max()))
+        worst = max(worst, conservation_diff(named, acc, residuals_of(opt, named)))
         with opt.skip_synchronize():
             opt.step()
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dch.eq")
@@ -282,7 +295,7 @@ def scenario_dgc_techniques():
         named = list(m.named_parameters())
         worst_cons, mask_violations, densities, dense_steps = 0.0, 0, [], []
         for step in range(9):
-            before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            before = residuals_of(opt, named)
             u_prev = [ctl.momentum.momentum(n).clone() for n, _ in named]
             opt.zero_grad()
             x, y = batch(step)
@@ -295,16 +308,12 @@ def scenario_dgc_techniques():
             dense_steps.append(bool(ctl.mode.dense))
             u_new = [torch.add(g, u, alpha=0.9) for g, u in zip(clipped, u_prev)]
             acc = [r + u for r, u in zip(before, u_new)]
-            after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+            after = residuals_of(opt, named)
             for (n, _), u, a, r in zip(named, u_new, acc, after):
                 got = ctl.momentum.momentum(n)
                 masked = got != u
                 mask_violations += int((got[masked] != 0).sum()) + int((a[masked] == r[masked]).sum())
-            all_acc, all_after = gather_dense(acc), gather_dense(after)
-            for i, (_, p) in enumerate(named):
-                sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
-                worst_cons = max(worst_cons, float(np.abs(p.grad.detach().view(-1).double().numpy()
-                                                          - sent_mean).max()))
+            worst_cons = max(worst_cons, conservation_diff(named, acc, after))
             with opt.skip_synchronize():
                 opt.step()
         out[schedule] = {"conservation_diff": worst_cons, "mask_violations": mask_violations,
@@ -336,18 +345,14 @@ def scenario_device_path():
             named = list(m.named_parameters())
             worst, counts = 0.0, []
             for step in range(4):
-                before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
+                before = residuals_of(opt, named)
                 opt.zero_grad()
                 x, y = batch(step)
                 F.cross_entropy(m(x), y).backward()
                 acc = [r + p.grad.detach().view(-1) for r, (_, p) in zip(before, named)]
                 opt.synchronize()
-                after = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
                 counts.append(opt.last_stats.selected)
-                all_acc, all_after = gather_dense(acc), gather_dense(after)
-                for i, (_, p) in enumerate(named):
-                    sent_mean = np.mean([a[i] - r[i] for a, r in zip(all_acc, all_after)], axis=0)
-                    worst = max(worst, float(np.abs(p.grad.detach().view(-1).double().numpy() - sent_mean).max()))
+                worst = max(worst, conservation_diff(named, acc, residuals_of(opt, named)))
                 with opt.skip_synchronize():
                     opt.step()
             out[kernels] = {"conservation_diff": worst, "selected": counts, "missing": opt.last_stats.missing,
