@@ -29,9 +29,10 @@ SWEEP_POINTS = 12
 #: fewer points fit, and each point costs collectives of every rank (several rounds for SparDL and
 #: ZEN) paced by Horovod's cycle time.
 COMMUNICATION_POINTS = 8
-#: The dense allreduce is timed up to this many bytes and extrapolated linearly beyond (it costs
-#: latency + bytes / bandwidth), so that pricing it on a slow link takes seconds, not minutes.
-DENSE_SWEEP_BYTES = 4 << 20
+#: Collectives are timed up to this many bytes (offered by one rank) and extrapolated linearly
+#: beyond (they cost latency + bytes / bandwidth), so that pricing a large model on a slow link
+#: takes seconds, not minutes, and the sweep's messages stay small next to the model.
+SWEEP_BYTES = 4 << 20
 
 
 def sizes(lo: int, hi: int, points: int = SWEEP_POINTS) -> list[int]:
@@ -100,7 +101,8 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
 def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
                         dtype: torch.dtype, device: torch.device, reps: int = 2) -> tuple[list[float], list[float]]:
     """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
-    job's ``tensors`` send at ``density`` (a collective: every rank of its process set). The
+    job's ``tensors`` send at ``density`` or :data:`SWEEP_BYTES`, whichever is smaller (a
+    collective: every rank of its process set). The
     collectives have no target: what they deliver is not added anywhere (the steps' decoding
     is measured in the profiled steps themselves), so the sweep holds no buffer of the model's
     size.
@@ -112,9 +114,10 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     different communicators answer the same question, what a buffer of this selection costs."""
     total = sum(t.numel for t in tensors)
     dense = communicator.dense
-    most = total if dense else max(1, int(1.5 * density * total) + len(tensors))
     element = torch.empty((), dtype=dtype).element_size()
     row = element if dense else communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
+    # up to SWEEP_BYTES offered; the cost curve extrapolates beyond (latency + bytes / bandwidth)
+    most = min(total if dense else max(1, int(1.5 * density * total) + len(tensors)), max(1, SWEEP_BYTES // row))
     clock = Clock(device)
     rank = communicator.process_set.rank()
     nbytes, seconds = [], []
@@ -148,13 +151,13 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
                           device: torch.device, process_set: Any, reps: int = 2) -> tuple[list[float], list[float]]:
     """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
-    sizes up to the model's gradient bytes or :data:`DENSE_SWEEP_BYTES`, whichever is smaller
+    sizes up to the model's gradient bytes or :data:`SWEEP_BYTES`, whichever is smaller
     (a collective): the price of sending dense, for the planner's dense choice."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
     nbytes, seconds = [], []
-    for j, count in enumerate(sizes(1024, min(total, DENSE_SWEEP_BYTES // element))):
+    for j, count in enumerate(sizes(1024, min(total, SWEEP_BYTES // element))):
         dense = torch.randn(count, dtype=dtype, device=device)
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
