@@ -9,7 +9,8 @@ back-propagation as usual. At the end of the last profiled step, on every rank a
 point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
 size, locally, on a copy of the compressor) and the active communicator (one collective of each
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
-choose, for planners that choose one; under ``density="auto"`` the compressor at each candidate
+choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
+for planners that choose one; under ``density="auto"`` the compressor at each candidate
 density, :mod:`horovod_safusion.density`). The communicator is timed by a sweep, not inside the
 training step: Horovod reports no completion time for an asynchronous collective, and waiting for
 one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
@@ -36,6 +37,7 @@ import horovod.torch as hvd
 
 from . import sweeps, trial
 from .clock import Clock
+from .communicators.base import contenders
 from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
 from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SYNCHRONIZE, Observer
@@ -227,8 +229,8 @@ class OnlineProfiler:
         candidates = controller.densities if linked and self.planner.chooses_density else ()
         at_density = [sweeps.compression_sweep(comp, numels, source, d) for d in candidates]
         del source
-        choices = (controller.communicators if linked and self.planner.chooses_communicator
-                   else {comm.name: comm})
+        chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1
+        choices = contenders(controller.communicators, process_set.size(), comm.name) if chooses else {comm.name: comm}
         # the message sizes of the densest candidate: the curves price every candidate's messages
         swept = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
                                            dtype, device)
@@ -261,7 +263,7 @@ class OnlineProfiler:
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
-            communicators=curves if len(curves) > 1 else {}, densities=densities,
+            communicators=curves if chooses else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 

@@ -157,7 +157,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
     nbytes, seconds = [], []
-    for j, count in enumerate(sizes(1024, min(total, SWEEP_BYTES // element))):
+    for j, count in enumerate(sizes(1024, min(total, SWEEP_BYTES // element), COMMUNICATION_POINTS)):
         dense = torch.randn(count, dtype=dtype, device=device)
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted

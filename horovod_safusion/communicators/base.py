@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 import torch
@@ -287,11 +287,29 @@ available_communicators = COMMUNICATORS.names   # names accepted by ``communicat
 
 #: What ``communicator="auto"`` holds for a sparse compressor, the first in use from the start
 #: (SAFusion §3.1 Step-2's sparse allgather): the communicators that deliver the compressor's own
-#: selection. ``fusion="safusion"`` prices each at the job's P from the profile's sweeps and plans
+#: selection. ``fusion="safusion"`` prices each that can win at the job's P (:func:`contenders`)
+#: from the profile's sweeps and plans
 #: the fastest (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). ExDyna's communicator is
 #: not among them: it sends another selection (exclusive partitions, thresholds scaled by the
 #: job's count), so it is asked for by name, with ``compressor="exdyna"``.
 AUTO_SPARSE = ("allgather", "spardl", "zen")
+
+
+def contenders(communicators: Mapping[str, Communicator], workers: int, active: str) -> dict[str, Communicator]:
+    """Which of ``communicators`` (those ``communicator="auto"`` holds) are worth pricing at
+    ``workers`` ranks: all of them, except that with two workers the allgather is priced without
+    SparDL and ZEN (``active``, the one in use, is always priced: the profile prices its plan).
+
+    With two workers the allgather receives the other rank's selection, k elements, in one
+    collective. SparDL (§3.1, Eq. 3: 2⌈log2 P⌉ rounds, 2(P − 1)/P selections received) receives as
+    much in two rounds. ZEN's Hierarchical Centralization (§2.3) is one exchange of k, the
+    allgather's own volume; its Balanced Parallelism receives k/2 and then the owner's aggregated
+    half, k to 1.5k in two collectives. Aggregating on the way pays from three workers on; with two,
+    SparDL and ZEN are the allgather's equal at best, and measuring them would let noise choose
+    (and cost the profile two thirds of its collective sweeps)."""
+    if workers != 2 or "allgather" not in communicators:
+        return dict(communicators)
+    return {name: c for name, c in communicators.items() if name not in ("spardl", "zen") or name == active}
 
 
 def make_communicators(spec: "str | Communicator", dense_compressor: bool, process_set: Any,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import horovod_safusion as saf
-from horovod_safusion.communicators.base import AUTO_SPARSE
+from horovod_safusion.communicators.base import AUTO_SPARSE, contenders
 from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
 from horovod_safusion.plan import FusionPlan
 from horovod_safusion.trial import start
@@ -29,6 +29,17 @@ def priced(dense_per_byte=None, **per_byte) -> Profile:
     dense = None if dense_per_byte is None else line(5e-5, dense_per_byte)
     return dataclasses.replace(p, density=0.01, dense_comm=False, communicate=next(iter(curves.values())),
                                communicators=curves, dense_allreduce=dense)
+
+
+def test_with_two_workers_the_allgather_is_priced_without_spardl_and_zen():
+    held = {name: object() for name in AUTO_SPARSE}
+    assert list(contenders(held, 2, "allgather")) == ["allgather"]
+    # the one in use is priced whatever the count (a job shrunk to two keeps its plan priced)
+    assert list(contenders(held, 2, "spardl")) == ["allgather", "spardl"]
+    for workers in (1, 3, 4, 5, 8):
+        assert list(contenders(held, workers, "allgather")) == list(AUTO_SPARSE)
+    # without the allgather there is nothing to prefer: every one is priced
+    assert list(contenders({"spardl": 1, "zen": 2}, 2, "spardl")) == ["spardl", "zen"]
 
 
 def test_the_planner_names_the_communicator_priced_fastest_and_the_runner_up():
