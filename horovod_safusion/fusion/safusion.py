@@ -133,14 +133,15 @@ class SAFusionPlanner(Planner):
             below = max(faster, key=lambda k: (density[k], -predicted[k]), default=None)
             ranking = [first] + ([below] if below else []) + [k for k in ranking if k not in (first, below)]
         sparse = [t for k, t in predicted.items() if k != "dense"]
+        # both plans carry every option's prediction: the trial may keep either
+        shared = dict(predicted_options_s=predicted, predicted_sparse_s=min(sparse, default=None),
+                      predicted_dense_s=predicted.get("dense"))
         runner_up = None
         if len(ranking) > 1:
             plan, seconds = options[ranking[1]]
-            runner_up = replace(plan, meta=dict(plan.meta, predicted_iteration_s=seconds)).to_dict()
+            runner_up = replace(plan, meta=dict(plan.meta, predicted_iteration_s=seconds, **shared)).to_dict()
         chosen, seconds = options[first]
-        meta = dict(chosen.meta, predicted_iteration_s=seconds, predicted_options_s=predicted,
-                    predicted_sparse_s=min(sparse, default=None), predicted_dense_s=predicted.get("dense"),
-                    runner_up=runner_up)
+        meta = dict(chosen.meta, predicted_iteration_s=seconds, runner_up=runner_up, **shared)
         return replace(chosen, meta=meta)
 
     def _sparse_options(self, profile: Profile) -> dict[str, tuple[FusionPlan, float]]:

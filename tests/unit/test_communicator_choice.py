@@ -51,6 +51,7 @@ def test_the_planner_names_the_communicator_priced_fastest_and_the_runner_up():
     assert simulate(profile.over("spardl"), plan).iteration == pytest.approx(options["spardl"])
     runner_up = FusionPlan.from_dict(plan.meta["runner_up"])
     assert runner_up.communicator == "zen" and runner_up.meta["predicted_iteration_s"] == options["zen"]
+    assert runner_up.meta["predicted_options_s"] == options  # kept by the trial, it still says what it beat
     # a cheap dense allreduce beats them all; the best communicator is then the runner-up
     cheap = dataclasses.replace(profile, dense_allreduce=line(5e-5, 1e-12))
     plan = SAFusionPlanner().plan(cheap.tensors, cheap)
