@@ -10,7 +10,7 @@ plan from the profile (:class:`~horovod_safusion.fusion.SAFusionPlanner`, "Dense
 choice") and returns the faster. A prediction leaves out what the profile cannot see — the
 decoding's memory traffic, the threads competing for the cores, Horovod's negotiation — so when
 the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
-blocks of ``steps`` measured steps, A B B A (a drift of the machine's speed hits both alike; the
+blocks of measured steps (:func:`block_steps`: 3 to 12, enough to span 0.2 s), A B B A (a drift of the machine's speed hits both alike; the
 first step after each switch pays for new buffers and is not measured), and keeps the one
 measured faster. When the prediction was decisive, the chosen plan is still measured for one
 block after the switch, and the trial goes on only if it measured slower than the other plan was
@@ -29,6 +29,7 @@ Rank 0 says once what was chosen, with the predicted (and measured) times.
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -42,10 +43,26 @@ from .session import collective
 
 #: Try both plans when the slower prediction is at most this factor above the faster one.
 TRIAL_MARGIN = 1.5
-#: Measured steps per block of a trial.
+#: Measured steps per block of a trial, at least.
 TRIAL_STEPS = 3
+#: A block spans at least this many seconds of predicted iteration time, up to
+#: :data:`TRIAL_MAX_STEPS` steps. Steps of some tens of milliseconds vary by 20–50 % from one to the
+#: next on a busy host: 3 of them measured a plan of the digits CNN at 0.031 s against 0.023 s for
+#: another (``make demo``, 200 Mbit/s), where whole runs at each plan trained 2332–2729 against
+#: 2387–2643 samples/s, so the trial chose the lower density on noise.
+TRIAL_SECONDS = 0.2
+TRIAL_MAX_STEPS = 12
 #: The order of a trial's blocks: 0 is the plan predicted faster, 1 the other.
 SCHEDULE = (0, 1, 1, 0)
+
+
+def block_steps(iteration_s: float) -> int:
+    """Measured steps per block for plans predicted at ``iteration_s`` seconds an iteration: enough
+    to span :data:`TRIAL_SECONDS`, from :data:`TRIAL_STEPS` to :data:`TRIAL_MAX_STEPS`. The
+    prediction comes from the profile every rank shares, so every rank sizes its blocks alike."""
+    if not iteration_s > 0:  # no prediction (nan), or none that can be trusted
+        return TRIAL_STEPS
+    return int(min(TRIAL_MAX_STEPS, max(TRIAL_STEPS, math.ceil(TRIAL_SECONDS / iteration_s))))
 
 
 def describe(plan: FusionPlan) -> str:
@@ -180,11 +197,13 @@ def start(plan: FusionPlan) -> DenseTrial | None:
         announce(f"density {plan.density:g} chosen: the highest whose predicted iteration is within "
                  f"{MARGIN:.0%} of the fastest option's ({mine:.3f} s; measured against {describe(other)}, "
                  f"predicted {theirs:.3f} s)")
+    steps = block_steps(min(mine, theirs))
     if theirs > TRIAL_MARGIN * mine:
         if plan.dense:
             announce(f"dense allreduce predicted faster than sparse: {mine:.3f} s/iteration against "
                      f"{theirs:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
         # the chosen plan stays if it measures below the other's prediction (times the margin
         # the denser of the two is allowed)
-        return DenseTrial(plan, other, confirm_below=theirs * (factor if denser == 0 else 1.0 / factor))
-    return DenseTrial(plan, other)
+        return DenseTrial(plan, other, steps=steps,
+                          confirm_below=theirs * (factor if denser == 0 else 1.0 / factor))
+    return DenseTrial(plan, other, steps=steps)

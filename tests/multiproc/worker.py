@@ -26,8 +26,11 @@ from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
 from horovod_safusion.fusion import NaivePlanner  # noqa: E402
+from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS  # noqa: E402
 
 DATA = None
+#: Steps that cover the warm-up, a profile of 2 steps and a trial's longest blocks.
+TRIAL_LENGTH = 1 + 2 + len(SCHEDULE) * (1 + TRIAL_MAX_STEPS) + 2
 
 
 def batch(step: int, n: int = 32):
@@ -92,7 +95,7 @@ def scenario_dense_choice():
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                    profile_steps=2)
-    for step in range(24):  # warm-up, profile, and a trial's blocks
+    for step in range(TRIAL_LENGTH):  # warm-up, profile, and a trial's blocks
         x, y = batch(step)
         opt.zero_grad()
         F.cross_entropy(m(x), y).backward()
@@ -237,7 +240,7 @@ def scenario_density_choice():
 
     m = make(width=16)
     opt = auto(m)
-    train(m, opt, 30, 0)  # warm-up, profile, and the trial's blocks
+    train(m, opt, TRIAL_LENGTH, 0)  # warm-up, profile, and the trial's blocks
     plan = opt.plan
     out = {"priced": sorted(opt.profile.densities), "settled": opt.settled, "density": plan.density,
            "dense": plan.dense, "target": opt._controller.target_density}

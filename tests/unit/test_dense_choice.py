@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
-from horovod_safusion.trial import SCHEDULE, TRIAL_STEPS, DenseTrial, start
+from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS, TRIAL_STEPS, DenseTrial, block_steps, start
 from horovod_safusion.plan import FusionPlan
 from digits import DigitsCNN, load_digits_split
 from synthetic import synthetic_profile
@@ -113,6 +113,19 @@ def test_start_announces_a_decisive_dense_plan_and_tries_close_ones(hvd, capsys)
     assert check.confirm_below == 3.0
     close = dataclasses.replace(decisive, meta=dict(decisive.meta, predicted_sparse_s=1.2))
     assert start(close).confirm_below is None
+
+
+def test_short_steps_are_measured_in_longer_blocks(hvd):
+    assert block_steps(1.0) == TRIAL_STEPS and block_steps(float("nan")) == TRIAL_STEPS
+    assert block_steps(0.025) == 8 and block_steps(1e-4) == TRIAL_MAX_STEPS
+    # sized by the faster prediction, which every rank shares
+    sparse = FusionPlan([["x"]], planner="safusion")
+    close = FusionPlan([["x"]], planner="safusion", dense=True,
+                       meta={"predicted_sparse_s": 0.03, "predicted_dense_s": 0.025, "runner_up": sparse.to_dict()})
+    trial = start(close)
+    assert trial.steps == 8
+    used = run_trial(trial, [0.03, 0.02], hvd)
+    assert used[:-1] == [0] * 9 + [1] * (9 + 8) + [0] * 9 and used[-1] == 1
 
 
 @pytest.mark.parametrize("measured", [1.0, 5.0])
