@@ -6,18 +6,26 @@ loopback up and limits it with a token bucket (``tc qdisc add dev lo root tbf``)
 inside with the prefix it yields (``ip netns exec NAME``). The bucket's burst (1 MB) is above the
 64 KiB loopback MTU: a smaller one drops large packets and Gloo times out. ``netem`` (delay) is
 not in every kernel, so only the rate is limited. Needs root and iproute2.
+
+Tear-down always runs: SIGTERM and SIGHUP end a link's (or cluster's) block through its
+``finally``, and a namespace left by a process that was killed outright (SIGKILL, a restart) is
+deleted by the next :func:`limited_link`, which knows it by the dead process id in its name.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 
 LOOPBACK = "loopback"
+NAMESPACE = "safbench"  # a limited link's namespace: NAMESPACE<pid>x<n>
 _count = itertools.count()
 CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "cluster.sh")
 INTERFACE = "sfnet"  # every cluster host's interface (scripts/cluster.sh)
@@ -45,6 +53,44 @@ def require(need: str, sshd: bool = False) -> None:
         raise SystemExit(f"{need}: {why}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_links() -> None:
+    """Delete the namespaces of limited links whose process is gone (killed before its tear-down)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        owner = re.fullmatch(rf"{NAMESPACE}(\d+)x\d+", name)
+        if owner and not _alive(int(owner.group(1))):
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@contextmanager
+def _signals_exit():
+    """SIGTERM and SIGHUP raise SystemExit inside the block, so that its ``finally`` runs (their
+    default handlers end the process without it). Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 @contextmanager
 def limited_link(link: str | None, option: str = "--links"):
     """A command prefix that runs inside a namespace whose loopback is limited to ``link``'s rate.
@@ -56,15 +102,17 @@ def limited_link(link: str | None, option: str = "--links"):
         yield []
         return
     check_link(link, option)
-    ns = f"safbench{os.getpid()}x{next(_count)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                        "rate", rate, "burst", "1mb", "limit", "4mb"], check=True)
-        yield ["ip", "netns", "exec", ns]
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+    remove_stale_links()
+    ns = f"{NAMESPACE}{os.getpid()}x{next(_count)}"
+    with _signals_exit():
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        try:
+            subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                            "rate", rate, "burst", "1mb", "limit", "4mb"], check=True)
+            yield ["ip", "netns", "exec", ns]
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def host_prefix(i: int) -> list[str]:
@@ -82,12 +130,13 @@ def cluster(hosts: int, link: str | None, option: str = "--hosts"):
     """``hosts`` hosts of a cluster on one machine (``scripts/cluster.sh``), each with its own link
     of ``link``'s rate both ways (``loopback``: unlimited); taken down on exit, whatever happens."""
     require(f"{option} {hosts}: a cluster on one machine needs root, iproute2 and openssh-server", sshd=True)
-    try:
-        subprocess.run(["bash", CLUSTER, "up", str(hosts), rate_of(link) or "none"], check=True,
-                       stdout=subprocess.DEVNULL)
-        yield []  # commands say which host they run on (host_prefix)
-    finally:
-        subprocess.run(["bash", CLUSTER, "down"], check=False)
+    with _signals_exit():
+        try:
+            subprocess.run(["bash", CLUSTER, "up", str(hosts), rate_of(link) or "none"], check=True,
+                           stdout=subprocess.DEVNULL)
+            yield []  # commands say which host they run on (host_prefix)
+        finally:
+            subprocess.run(["bash", CLUSTER, "down"], check=False)
 
 
 def free_port() -> int:

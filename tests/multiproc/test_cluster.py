@@ -2,8 +2,10 @@
 link rate and sshd; a second ``up`` replaces the first; ``down`` leaves nothing behind. Runs a
 cluster of its own (another prefix and subnet), beside the one the multi-host tests share."""
 import os
+import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,31 @@ def test_up_twice_then_down(own_cluster):
 def test_bad_host_count_is_a_clear_error(own_cluster):
     bad = sh("up", "0")
     assert bad.returncode != 0 and "HOSTS must be 1 to 250, got '0'" in bad.stderr
+
+
+def namespaces() -> list[str]:
+    return [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                       text=True).stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_limited_link_is_taken_down_when_its_benchmark_is_stopped(how):
+    """SIGTERM runs the link's tear-down; after SIGKILL, which nothing can catch, the next link
+    deletes the namespace its dead process left."""
+    why = cluster_missing()
+    if why:
+        pytest.skip(why)
+    benchmarks = os.path.join(os.path.dirname(CLUSTER), os.pardir, "benchmarks")
+    holder = ("import sys, time; sys.path.insert(0, sys.argv[1]); from links import limited_link\n"
+              "with limited_link('1gbit') as prefix:\n    print(prefix[-1], flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", holder, benchmarks], stdout=subprocess.PIPE, text=True)
+    name = proc.stdout.readline().strip()
+    assert name.startswith("safbench") and name in namespaces()
+    proc.send_signal(getattr(signal, how))
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    if how == "SIGKILL":
+        assert name in namespaces()  # nothing ran in the killed process
+        cleaner = "import sys; sys.path.insert(0, sys.argv[1]); from links import remove_stale_links; remove_stale_links()"
+        subprocess.run([sys.executable, "-c", cleaner, benchmarks], check=True, timeout=60)
+    assert name not in namespaces()
