@@ -10,9 +10,9 @@ plan from the profile (:class:`~horovod_safusion.fusion.SAFusionPlanner`, "Dense
 choice") and returns the faster. A prediction leaves out what the profile cannot see — the
 decoding's memory traffic, the threads competing for the cores, Horovod's negotiation — so when
 the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
-blocks of measured steps (:func:`block_steps`: 3 to 12, enough to span 0.2 s), A B B A (a drift of the machine's speed hits both alike; the
-first step after each switch pays for new buffers and is not measured), and keeps the one
-measured faster. When the prediction was decisive, the chosen plan is still measured for one
+blocks of measured steps (:func:`block_steps`: 3 to 12, enough to span 0.2 s), A B B A (a drift
+of the machine's speed hits both alike; the first step after each switch pays for new buffers
+and is not measured), and keeps the one measured faster. When the prediction was decisive, the chosen plan is still measured for one
 block after the switch, and the trial goes on only if it measured slower than the other plan was
 predicted. Every rank measures its own step times; their medians are reduced
 by the maximum (the job is as fast as its slowest rank), so every rank decides alike and switches
