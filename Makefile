@@ -1,6 +1,6 @@
 # horovod-safusion — the two commands a user needs:
 #   make demo   install if needed, then train the digits CNN with Horovod and with SAFusion (2 workers),
-#               as root on an emulated 200 Mbit/s link
+#               as root on an emulated 100 Mbit/s link
 #   make test   install if needed, then the whole test suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

@@ -2,7 +2,7 @@
 horovod-safusion, side by side, and print time to accuracy, accuracy, throughput and traffic.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_digits.py [--link NAME]
-    make demo     (as root: on an emulated 200 Mbit/s link; see examples/demo.py)
+    make demo     (as root: on an emulated 100 Mbit/s link; see examples/demo.py)
 
 Every rank trains on its own shard of the training set; both runs start from the same weights,
 see the same batches and use the same optimizer settings, so only gradient synchronisation differs.
