@@ -599,9 +599,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                       otherwise sparse allgather at first, and with ``fusion="safusion"`` the
                       fastest of allgather, SparDL and ZEN at this job's worker count (the
                       allgather alone with two workers), priced from the profile's sweeps and
-                      tried for a few steps when close; rank 0
-                      says on standard error what it chose), a registered name, or a
-                      ``Communicator`` instance.
+                      tried for a few steps when close; rank 0 says on standard error what it
+                      chose), a registered name, or a ``Communicator`` instance.
         profile_steps: iterations measured before planning (after one warm-up iteration), for
                        planners that need a profile. They train as usual, communication
                        overlapped; after the last one, short sweeps time the compressor and

@@ -102,10 +102,9 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
                         dtype: torch.dtype, device: torch.device, reps: int = 2) -> tuple[list[float], list[float]]:
     """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
     job's ``tensors`` send at ``density`` or :data:`SWEEP_BYTES`, whichever is smaller (a
-    collective: every rank of its process set). The
-    collectives have no target: what they deliver is not added anywhere (the steps' decoding
-    is measured in the profiled steps themselves), so the sweep holds no buffer of the model's
-    size.
+    collective: every rank of its process set). The collectives have no target: what they deliver
+    is not added anywhere (the steps' decoding is measured in the profiled steps themselves), so
+    the sweep holds no buffer of the model's size.
 
     A message's size is what one rank offers, as :meth:`~horovod_safusion.fusion.Profile.message_bytes`
     prices it: its dense bytes for a dense communicator, else its selected elements times the

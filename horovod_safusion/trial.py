@@ -12,12 +12,12 @@ decoding's memory traffic, the threads competing for the cores, Horovod's negoti
 the two predictions are within :data:`TRIAL_MARGIN` of each other, the job runs the plans in
 blocks of measured steps (:func:`block_steps`: 3 to 12, enough to span 0.2 s), A B B A (a drift
 of the machine's speed hits both alike; the first step after each switch pays for new buffers
-and is not measured), and keeps the one measured faster. When the prediction was decisive, the chosen plan is still measured for one
-block after the switch, and the trial goes on only if it measured slower than the other plan was
-predicted. Every rank measures its own step times; their medians are reduced
-by the maximum (the job is as fast as its slowest rank), so every rank decides alike and switches
-at the same step. Residuals are per parameter: a sparse plan keeps them, and the first dense step
-sends them along, so the trial loses no gradient.
+and is not measured), and keeps the one measured faster. When the prediction was decisive, the
+chosen plan is still measured for one block after the switch, and the trial goes on only if it
+measured slower than the other plan was predicted. Every rank measures its own step times; their
+medians are reduced by the maximum (the job is as fast as its slowest rank), so every rank
+decides alike and switches at the same step. Residuals are per parameter: a sparse plan keeps
+them, and the first dense step sends them along, so the trial loses no gradient.
 
 The same trial settles the communicator (``communicator="auto"``): the planner ranks the sparse
 plan over each communicator it priced and the dense plan, and the two fastest are the trial's
@@ -62,7 +62,7 @@ def block_steps(iteration_s: float) -> int:
     prediction comes from the profile every rank shares, so every rank sizes its blocks alike."""
     if not iteration_s > 0:  # no prediction (nan), or none that can be trusted
         return TRIAL_STEPS
-    return int(min(TRIAL_MAX_STEPS, max(TRIAL_STEPS, math.ceil(TRIAL_SECONDS / iteration_s))))
+    return min(TRIAL_MAX_STEPS, max(TRIAL_STEPS, math.ceil(TRIAL_SECONDS / iteration_s)))
 
 
 def describe(plan: FusionPlan) -> str:

@@ -288,8 +288,8 @@ available_communicators = COMMUNICATORS.names   # names accepted by ``communicat
 #: What ``communicator="auto"`` holds for a sparse compressor, the first in use from the start
 #: (SAFusion §3.1 Step-2's sparse allgather): the communicators that deliver the compressor's own
 #: selection. ``fusion="safusion"`` prices each that can win at the job's P (:func:`contenders`)
-#: from the profile's sweeps and plans
-#: the fastest (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). ExDyna's communicator is
+#: from the profile's sweeps and plans the fastest
+#: (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). ExDyna's communicator is
 #: not among them: it sends another selection (exclusive partitions, thresholds scaled by the
 #: job's count), so it is asked for by name, with ``compressor="exdyna"``.
 AUTO_SPARSE = ("allgather", "spardl", "zen")
