@@ -7,7 +7,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 
-.PHONY: install demo test unit multiproc bench bench-planners bench-peers bench-convergence bench-tta bench-scale cluster-up cluster-down clean
+.PHONY: install demo test unit multiproc doctor bench-throughput bench-planners bench-peers bench-convergence bench-tta \
+	bench-scale bench-memory bench-communicators bench-compressors cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -21,8 +22,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests
 
+# every benchmark's claim, command and last run: docs/benchmarks.md
+doctor: $(STAMP)
+	$(PY) -m horovod_safusion doctor
+
 RATES ?=
-bench: $(STAMP)
+bench-throughput: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_throughput.py --np $(NP) \
 		$(if $(RATES),--rates $(RATES))
 
@@ -42,6 +47,16 @@ bench-tta: $(STAMP)
 bench-convergence: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) benchmarks/bench_convergence.py
+
+bench-memory: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_memory.py --np $(NP)
+
+bench-communicators: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np 3 -H localhost:3 --gloo \
+		$(PY) benchmarks/bench_communicators.py
+
+bench-compressors: $(STAMP)
+	$(PY) benchmarks/bench_compressors.py
 
 bench-planners: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -4,7 +4,8 @@
 
 The driver launches one ``horovodrun -np N --gloo`` job per link speed: first on the plain
 loopback, then — for each ``--rates`` value — inside a fresh network namespace whose loopback is
-limited with ``tc qdisc ... tbf`` (needs root; see FACTS: burst above the 64 KiB loopback MTU).
+limited with ``tc qdisc ... tbf`` (needs root; :mod:`links` keeps the bucket's burst above the
+64 KiB loopback MTU).
 In each job every scheme of :mod:`schemes` trains the same model (a CIFAR-style ResNet-18, 62
 parameter tensors) on real data (scikit-learn's digits) for every density, in interleaved
 repetitions so that machine noise hits all alike; each run warms up (profiling and re-planning for

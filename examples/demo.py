@@ -8,11 +8,11 @@ loopback ``tc`` limits to ``--link`` (``benchmarks/links.py``, as the benchmarks
 table names the link. Elsewhere it runs on the plain loopback and says why its times there are no
 speed claim.
 
-The link is :data:`LINK`, 100 Mbit/s, shared by the two workers. The digits CNN is small: Horovod
-reaches the demo's target in about 4 s at 200 Mbit/s, and in a job that short the plugin's fixed
-cost (the online profile, the trial) and its first epochs at low density weigh as much as its
-faster steps. At 100 Mbit/s Horovod's job takes about 8 s and the link sets its pace, as in the
-jobs the plugin is for. The README gives the runs at both rates.
+The link is :data:`LINK`, 100 Mbit/s, shared by the two workers. The digits CNN is small: on a
+faster link Horovod's whole job to the target is a few seconds, and a job that short is decided
+by the plugin's fixed cost (the online profile, the trial) and its first epochs at low density,
+not by its faster steps. At 100 Mbit/s the link sets Horovod's pace, as in the jobs the plugin is
+for. docs/benchmarks.md, "The demo", gives the runs at both rates.
 """
 from __future__ import annotations
 

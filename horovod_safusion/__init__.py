@@ -5,17 +5,23 @@ Swap one line of a Horovod script::
     optimizer = horovod_safusion.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                       compressor="dgc", density=0.01)
 """
-from .communicators import Communicator, available_communicators, register_communicator
-from .compressors import Compressor, available_compressors, register_compressor
-from .controller import StepStats
-from .fusion import Planner, available_planners, register_planner
-from .optimizer import DistributedOptimizer, SAFusionOptimizer
-from . import cycle, elastic
-from .plan import FusionPlan, TensorInfo
-from .timeline import TimelineRecorder
+try:
+    from .communicators import Communicator, available_communicators, register_communicator
+    from .compressors import Compressor, available_compressors, register_compressor
+    from .controller import StepStats
+    from .fusion import Planner, available_planners, register_planner
+    from .optimizer import DistributedOptimizer, SAFusionOptimizer
+    from . import cycle, elastic
+    from .plan import FusionPlan, TensorInfo
+    from .timeline import TimelineRecorder
+except ImportError as error:  # Horovod, torch or Numba missing or broken: the doctor command says which
+    from . import doctor
+    doctor.fallback(error)  # returns unless this process runs that command
+    raise
 
 elastic.register()  # hvd.elastic.TorchState handles this package's optimizers
-cycle.set_default()  # Horovod's cycle time for a few buffers per step, unless one was chosen
+# Horovod's cycle time for a few buffers per step, unless one was chosen
+cycle.set_on_import = cycle.set_default()
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m horovod_safusion {list,plan,timeline} ...``.
+"""Command line: ``python -m horovod_safusion {list,plan,timeline,doctor} ...``.
 
 * ``list`` — the registered compressors, fusion planners and communicators.
 * ``plan`` — the fusion plan of every planner side by side, with the pipeline simulator's
@@ -9,12 +9,16 @@
 * ``timeline merge`` — Horovod's Timeline and the plugin's per-rank timelines in one Chrome trace.
 * ``timeline breakdown`` — per-iteration means of forward, backward, compression, fusion copies,
   collective time and NOCT per run (SAFusion §5 Experiment 3), as a table and a stacked-bar PNG.
+* ``doctor`` — Horovod's build, torch's devices, the compiled kernels, Triton and the cycle time,
+  each ok, warning or fatal with what to do (:mod:`.doctor`); exits 1 on a fatal finding.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from . import doctor
 
 
 def _first_line(obj) -> str:
@@ -120,6 +124,10 @@ def cmd_timeline_breakdown(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    return doctor.run(args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .fusion.safusion_naive import DEFAULT_CAPACITY_BYTES
     ap = argparse.ArgumentParser(prog="python -m horovod_safusion", description=__doc__,
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--png", help="write a stacked-bar chart here")
     b.add_argument("--title", default="")
     b.set_defaults(fn=cmd_timeline_breakdown)
+    d = sub.add_parser("doctor", help="what this environment gives the plugin, and what to fix")
+    doctor.add_arguments(d)
+    d.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -23,13 +23,12 @@ the papers train at (DGC's target; SAFusion §5); above 0.1 a selected element c
 index (8 bytes against 4) and an allgather receives (P − 1)·k of them, so a sparse step sends about
 as much as a dense allreduce and dense, the cap, is the better choice. Half-decade steps because
 the cost model predicts to some tens of per cent; finer steps would be chosen by noise.
-:data:`MARGIN`: 20 %. A lower density pays only where the time it saves per step outweighs the
-steps it adds to reach the same quality, and those are many: in this project's runs of hundreds
-of steps, 0.001 against 0.01 cost 10–22 accuracy points on the digits CNN and 22–32 % perplexity
-on the LSTM (README, "How accurate"), while on a 200 Mbit/s link the LSTM's step took 0.072–0.073 s
-at 0.001 against 0.078–0.080 s at 0.01 (measured by the trial, ``bench_time_to_accuracy``). A
-margin of the order of the steps' noise (5 %) chose 0.001 there; the margin must be wider than
-the time a step down in density typically saves once communication is mostly hidden.
+:data:`MARGIN`: 20 %. A lower density pays only where the time it saves per step outweighs the steps
+it adds to reach the same quality, and those are many: 0.001 instead of 0.01 costs accuracy on both
+models ``bench_convergence`` trains, while on a slow link where communication is mostly hidden it
+saves only a small part of a step. A margin of the order of the steps' noise chooses 0.001 on such a
+saving; the margin must be wider than the time a step down in density typically saves once
+communication is mostly hidden (docs/benchmarks.md, "Choosing the density", has the runs).
 """
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """What the plugin holds in memory: its own tensors, by where they hang, and the process's RSS.
 
-Memory is measured like speed (README, "How fast"): a user who picks a data-parallel plugin for a
-model that barely fits needs to know what it costs per gradient element. :func:`held` walks the
-objects of one ``DistributedOptimizer`` — the controller and its fusion buffers, the residuals,
-the compressor, the communicator, the profiler — and sums the bytes of the *distinct* tensor
-storages they reach (two views of one storage count once, a NumPy array that views a tensor's
-memory counts with it). The model's parameters, their gradients and the wrapped optimizer's own
-state (SGD's momentum buffers) belong to the user, as with ``hvd.DistributedOptimizer``, and are
-left out. :func:`rss` reads the resident set (``VmRSS``) and its peak (``VmHWM``) of this process,
-:func:`resident` the resident set with the allocator's free memory handed back, and
-:func:`reset_peak` starts a new peak, so that one process can measure the peak of each phase.
+Memory is measured like speed (``benchmarks/bench_memory.py``; docs/benchmarks.md, "Memory"): a
+user who picks a data-parallel plugin for a model that barely fits needs to know what it costs per
+gradient element. :func:`held` walks the objects of one ``DistributedOptimizer`` — the controller
+and its fusion buffers, the residuals, the compressor, the communicator, the profiler — and sums
+the bytes of the *distinct* tensor storages they reach (two views of one storage count once, a
+NumPy array that views a tensor's memory counts with it). The model's parameters, their gradients
+and the wrapped optimizer's own state (SGD's momentum buffers) belong to the user, as with
+``hvd.DistributedOptimizer``, and are left out. :func:`rss` reads the resident set (``VmRSS``) and
+its peak (``VmHWM``) of this process, :func:`resident` the resident set with the allocator's free
+memory handed back, and :func:`reset_peak` starts a new peak, so that one process can measure the
+peak of each phase.
 """
 from __future__ import annotations
 

@@ -629,8 +629,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                applied twice.
         momentum_masking: with ``momentum_correction``, clear the momentum of the elements a
                sparse step sent (DGC's momentum factor masking; default ``True`` as in DGC). An
-               element sent at every step then moves without momentum: on the benchmark's LSTM
-               at density 0.01 that cost more accuracy than masking saved (see the user guide).
+               element sent at every step then moves without momentum, which can cost more
+               accuracy than masking saves (see the user guide; docs/benchmarks.md, "How
+               accurate", has the runs).
         local_clipping: DGC's local gradient clipping: the global ``max_norm`` you would clip to;
                each worker clips each tensor's gradient to ``max_norm / sqrt(workers)`` before
                error feedback. Default ``None`` (off).

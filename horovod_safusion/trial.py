@@ -46,10 +46,9 @@ TRIAL_MARGIN = 1.5
 #: Measured steps per block of a trial, at least.
 TRIAL_STEPS = 3
 #: A block spans at least this many seconds of predicted iteration time, up to
-#: :data:`TRIAL_MAX_STEPS` steps. Steps of some tens of milliseconds vary by 20–50 % from one to the
-#: next on a busy host: 3 of them measured a plan of the digits CNN at 0.031 s against 0.023 s for
-#: another (``make demo``, 200 Mbit/s), where whole runs at each plan trained 2332–2729 against
-#: 2387–2643 samples/s, so the trial chose the lower density on noise.
+#: :data:`TRIAL_MAX_STEPS` steps. Steps of some tens of milliseconds vary widely from one to the
+#: next on a busy host, so a block of a few of them can rank two plans that train equally fast
+#: by noise (docs/benchmarks.md, "The measured trial", has the runs).
 TRIAL_SECONDS = 0.2
 TRIAL_MAX_STEPS = 12
 #: The order of a trial's blocks: 0 is the plan predicted faster, 1 the other.

@@ -7,9 +7,10 @@ the plugin holds no copy of the gradients: Horovod fuses them in its own fusion 
 does for ``hvd.DistributedOptimizer``. A buffer larger than Horovod's fusion buffer is reduced
 tensor by tensor, each its own allreduce, as ``hvd.DistributedOptimizer`` submits them: Horovod
 fuses what fits its fusion buffer; a group larger than the buffer (even a group of one tensor)
-would make Horovod grow the buffer to the group's size and keep it (about the model's size
-more, measured on a model of one 80 MB tensor). With a sparsifying compressor the selected values are placed into the zeroed
-gradients first, which isolates the effect of sparsification on accuracy from any traffic saving.
+would make Horovod grow the buffer to the group's size and keep it at that size
+(docs/benchmarks.md, "Memory", has the measurement). With a sparsifying compressor the selected
+values are placed into the zeroed gradients first, which isolates the effect of sparsification on
+accuracy from any traffic saving.
 """
 from __future__ import annotations
 

@@ -12,10 +12,8 @@ Positions are drawn uniformly with replacement and duplicates collapse, so a seg
 With error feedback a position waits about ``1/density`` steps and then carries all of them at
 once. The wrapped SGD's momentum then multiplies that update again. At learning rates tuned for
 dense training this diverges. It is the algorithm's nature: memory SGD with random-k needs step
-sizes scaled by the density (Stich et al.). On the digits CNN with SGD momentum 0.9 at density
-0.01 it stayed at chance accuracy at the learning rate where ``topk`` trained, and trailed
-``topk`` at every learning rate tried, ten and a hundred times smaller. Use ``topk`` or ``dgc``
-unless the positions must be the same on every rank.
+sizes scaled by the density (Stich et al.). Use ``topk`` or ``dgc`` unless the positions must be
+the same on every rank (docs/benchmarks.md, "How accurate", has runs of it against ``topk``).
 """
 from __future__ import annotations
 

@@ -38,14 +38,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 
-_jit = numba.njit(cache=True, nogil=True)
+from ..kernels.host import compiled
+
+_jit = compiled  # Numba, cached (kernels.host.compiled)
 #: The lowest threshold applied: an exact zero is never selected, however low a threshold falls.
-#: (A lowered threshold reached 0 on an LSTM's embedding, whose gradient is zero outside the
-#: batch's rows, and the whole tensor was sent, zeros included: a third of the model per step.)
+#: (An embedding's gradient is zero outside the batch's rows: a threshold lowered to 0 would send
+#: the whole tensor, zeros included.)
 POSITIVE = float(np.finfo(np.float64).tiny)
 
 
@@ -410,7 +411,7 @@ class IndexScratch:
     the previous selection from one while it writes the other). A slot starts at the size the
     caller expects (about ``2 Σ k``: a selection is corrected into a band around k) and the
     kernels grow it when a selection runs past it, so the scratch is as long as the largest
-    selection seen, not as the buffer (8 bytes per gradient element, twice, before)."""
+    selection seen, not as the buffer (which would be 8 bytes per gradient element, twice)."""
 
     def __init__(self) -> None:
         self._slots: list[np.ndarray] = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
@@ -557,8 +558,8 @@ class NumbaKernels:
 
 def warm_up() -> None:
     """Compile every kernel for float32 and float64 now. Numba caches compiled kernels beside this
-    module, so the install does this once and training's first step does not pay for it (tens of
-    seconds on a small CPU)."""
+    module, so the install does this once and training's first step does not pay for it (compiling
+    takes far longer than a step; docs/benchmarks.md, "Selection kernels", has the time)."""
     offsets, sizes = np.array([0, 6], dtype=np.int64), np.array([6, 4], dtype=np.int64)
     ks = np.array([2, 1], dtype=np.int64)
     for dtype in (np.float32, np.float64):

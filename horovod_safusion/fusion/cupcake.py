@@ -29,9 +29,9 @@ later its communication ends:
   Applied to ``x_0`` too, with ``M.comp = M.delay = 0`` (that is Eq. (4) itself). We add to
   ``base`` the least time the last group can communicate after it is compressed,
   ``g(N−1, N−1)`` (``g`` grows with the group): the paper's "no communication overhead" case still
-  sends the last group once back-propagation and compression are done. Still a lower bound; on
-  the benchmark's compute-bound ResNet-50 profile it cut the states explored from 9,894 to 125
-  (with dominance on).
+  sends the last group once back-propagation and compression are done. Still a lower bound, and a
+  tighter one, so Pruning 1 skips more states (docs/benchmarks.md, "Cupcake planning", has the
+  states explored with and without it).
 * **Bootstrap** (§4.2, "partition a DNN model into multiple groups with the same number of
   tensors"): the best of the even splits into ``1..N`` groups is the initial upper bound.
 * **Dominance** (ours, not in the paper; ``dominance=True`` by default): the rest of the timeline
@@ -149,7 +149,9 @@ class CupcakePlanner(Planner):
         dominance: skip states dominated by a searched one (ours, see the module docstring).
         max_states: stop after this many states and return the best plan found (``None``: search
             to the end). The default keeps planning inside training to seconds: the search is
-            exponential in the worst case (a compute-bound 314-tensor profile needed 67,711 states).
+            exponential in the worst case, and where communication hides behind
+            back-propagation the states explored grow steeply with the number of tensors
+            (docs/benchmarks.md, "Cupcake planning", has the counts).
 
     The switches exist for ablations (the paper's Table 1 times each pruning alone); every
     combination returns an optimal plan under the paper's cost model, only the time differs.

@@ -22,7 +22,22 @@ import numba
 import numpy as np
 import torch
 
-_jit = numba.njit(cache=True, nogil=True)
+
+
+def compiled(func):
+    """``func`` compiled by Numba, its machine code cached beside the module (or in Numba's user
+    cache where the package folder is read-only). Where no cache folder is writable at all (a
+    read-only install with a read-only home; ``NUMBA_CACHE_DIR`` names one), it still compiles,
+    once per process, instead of failing the import."""
+    try:
+        return numba.njit(cache=True, nogil=True)(func)
+    except RuntimeError as error:  # Numba: "cannot cache function ...: no locator available"
+        if "cannot cache" not in str(error):
+            raise
+        return numba.njit(nogil=True)(func)
+
+
+_jit = compiled
 
 DTYPES = (torch.float32, torch.float64)
 

@@ -17,10 +17,12 @@ def horovodrun() -> str:
     return shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd``; past ``timeout`` seconds kill its whole process group and say so in stderr."""
+def run(cmd: list[str], timeout: float, env: dict | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (in ``cwd``); past ``timeout`` seconds kill its whole process group and say so
+    in stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            cwd=cwd, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -65,3 +65,32 @@ def test_both_paths_are_exercised():
     r = torch.tensor([1.0, 2.0])
     n = host.fill(r, torch.tensor([float("nan"), 1.0]), r, None)
     assert n == 1 and r.tolist() == [1.0, 3.0]
+
+
+def test_kernels_compile_without_a_writable_cache(tmp_path):
+    """A read-only install with no writable cache folder still imports and computes: Numba's
+    'cannot cache' error is met by compiling without a cache (one process, with a read-only copy
+    of a kernel module and no cache folder Numba may use)."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+    pkg = tmp_path / "ro"
+    pkg.mkdir()
+    shutil.copy(host.__file__, pkg / "hostcopy.py")
+    pkg.chmod(0o555)
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(pkg)!r})
+        import numba.core.caching as caching
+        # No locator finds a writable place: as in a read-only install with a read-only home.
+        caching.CacheImpl._locator_classes = []
+        import hostcopy, torch
+        dst, g, r = torch.zeros(4), torch.arange(4.0), torch.ones(4)
+        hostcopy.fill(dst, g, r, 2.0)  # the compiled kernel: a scale is given
+        print("ok", dst.tolist())
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    pkg.chmod(0o755)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split(None, 1) == ["ok", "[2.0, 3.0, 4.0, 5.0]\n"], run.stdout
