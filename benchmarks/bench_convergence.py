@@ -41,6 +41,20 @@ dense Horovod's median final metric within 1 accuracy point / 3 % perplexity (``
 never does). Everything runs on one machine, so seconds compare schemes' overheads, not a
 network. Curves go to ``--out``/convergence_{model}.png, the table and every curve to
 ``--out``/results.json.
+
+``--steps N`` trains the first N steps only (instead of the epochs; the warm-ups' fractions are
+of N), ``--eval-every K`` evaluates every K steps instead of ``--evals`` per epoch, and
+``--digits-width`` / ``--digits-lr`` set the digits CNN's width and learning rate (defaults as
+above), ``--min-selected`` our schemes' ``min_selected`` (default: the optimizer's).
+``--diagnostics`` records at every step, for every scheme, the loss, the local gradient's norm, the update's and the momentum's norms and, for ours, the error-feedback residual's norm and
+age and the age of what was sent (:class:`Diagnostics`), all global over the ranks; it prints one
+more table per model (medians over seeds at steps 11, 22, 44 and the last) and draws
+``--out``/lag_{model}.png; the records go to results.json under each run's ``diagnostics``. A lag
+study::
+
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_convergence.py --models digits \\
+        --digits-width 64 --digits-lr 0.04 --schemes horovod safusion@0.01 safusion@0.1 safusion@0.1+mc \\
+        --diagnostics --steps 66 --eval-every 2 --out out/lag_digits
 """
 from __future__ import annotations
 
@@ -96,10 +110,12 @@ class Digits(Task):
     def __init__(self, args, rank, size):
         super().__init__(args, rank, size)
         self.x, self.y, self.x_te, self.y_te = load_digits_split()
-        self.n_train, self.batch, self.lr, self.epochs = len(self.x), 32, 0.05, args.digits_epochs
+        self.n_train, self.batch, self.epochs = len(self.x), 32, args.digits_epochs
+        # options of this script's main only (bench_time_to_accuracy's workers keep the defaults)
+        self.lr, self.width = getattr(args, "digits_lr", 0.05), getattr(args, "digits_width", 32)
 
     def model(self):
-        return DigitsCNN(width=32)
+        return DigitsCNN(width=self.width)
 
     def loss(self, model, perm, i):
         first = (i * self.size + self.rank) * self.batch
@@ -208,6 +224,8 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
     techniques = kw.pop("techniques")
     extra = {"momentum_correction": "mc" in techniques, "momentum_masking": "nomask" not in techniques,
              "warmup_steps": warmup if "warmup" in techniques else 0}
+    if getattr(args, "min_selected", None) is not None:
+        extra["min_selected"] = args.min_selected
     local = "clip" in techniques and task.clip is not None
     if local:
         extra["local_clipping"] = task.clip
@@ -216,26 +234,51 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
     return model, opt, None if local else task.clip
 
 
+def total_steps(task: Task, args) -> int:
+    """The run's steps: ``--steps`` if given, else the task's epochs."""
+    return getattr(args, "steps", None) or task.steps_per_epoch() * task.epochs
+
+
 def train(key: str, task: Task, seed: int, args) -> dict:
-    model, opt, clip = build(key, task, seed, task.steps_per_epoch() * task.epochs, args)
+    model, opt, clip = build(key, task, seed, total_steps(task, args), args)
     return fit(model, opt, clip, task, seed, args)
+
+
+def eval_steps(per_epoch: int, total: int, args) -> set[int]:
+    """The steps after which the metric is evaluated: every ``--eval-every`` steps, else
+    ``args.evals`` times per epoch; with ``--steps`` (or ``--eval-every``) the last step too."""
+    every = getattr(args, "eval_every", None)
+    if every:
+        return set(range(every, total + 1, every)) | {total}
+    per = sorted({max(1, round(per_epoch * (j + 1) / args.evals)) for j in range(args.evals)})
+    at = {e * per_epoch + j for e in range(-(-total // per_epoch)) for j in per if e * per_epoch + j <= total}
+    return at | ({total} if getattr(args, "steps", None) else set())
 
 
 def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
     """Train ``model`` with ``opt`` (clipping the aggregate gradient to ``clip``) for the task's
-    epochs in the seed's data order, evaluating ``args.evals`` times per epoch. Seconds are
-    training time only (``cpu_seconds``: this process's CPU time over the same steps, all its
-    threads); the evaluations' time is kept apart (``eval_seconds``)."""
+    epochs (or the first ``args.steps`` steps) in the seed's data order, evaluating ``args.evals``
+    times per epoch (or every ``args.eval_every`` steps). Seconds are training time only
+    (``cpu_seconds``: this process's CPU time over the same steps, all its threads); the
+    evaluations' time is kept apart (``eval_seconds``). With ``args.diagnostics`` every step adds a
+    record of :class:`Diagnostics` (one more collective per step, outside the timed part but
+    its gradient hook)."""
     per_epoch = task.steps_per_epoch()
+    total = total_steps(task, args)
     torch.manual_seed(seed * 7919 + task.rank)  # dropout: the same stream for every scheme
-    evals = sorted({max(1, round(per_epoch * (j + 1) / args.evals)) for j in range(args.evals)})
+    evals = eval_steps(per_epoch, total, args)
+    diag = Diagnostics(model, opt, task.size) if getattr(args, "diagnostics", False) else None
+    records = []
     curve, densities, elapsed, cpu, evaluating, step = [], [], 0.0, 0.0, 0.0, 0
-    for epoch in range(task.epochs):
+    for epoch in range(-(-total // per_epoch)):
         perm = task.order(seed, epoch)
-        for i in range(per_epoch):
+        for i in range(min(per_epoch, total - step)):
+            if diag is not None:
+                diag.begin()
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
-            task.loss(model, perm, i).backward()
+            loss = task.loss(model, perm, i)
+            loss.backward()
             if clip is not None and hasattr(opt, "synchronize"):  # Horovod's recipe: clip the aggregate
                 opt.synchronize()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -251,12 +294,167 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
             stats = getattr(opt, "last_stats", None)
             if stats is not None:
                 densities.append(stats.density)
-            if i + 1 in evals:
+            if diag is not None:
+                records.append({"step": step, **diag.end(float(loss.detach()))})
+            if step in evals:
                 t0 = time.perf_counter()
                 curve.append({"step": step, "seconds": elapsed, "metric": task.evaluate(model)})
                 evaluating += time.perf_counter() - t0
-    return {"curve": curve, "final": curve[-1]["metric"], "seconds": elapsed, "steps": step,
-            "cpu_seconds": cpu, "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
+    out = {"curve": curve, "final": curve[-1]["metric"], "seconds": elapsed, "steps": step,
+           "cpu_seconds": cpu, "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
+    if diag is not None:
+        diag.close()
+        out["diagnostics"] = records
+    return out
+
+
+# ---- diagnostics (--diagnostics) ----------------------------------------------------------------
+class Diagnostics:
+    """Per-step error-feedback diagnostics of one run, as GLOBAL values: every rank adds its sums
+    to one float64 tensor per step, summed with ``hvd.allreduce`` (the same collective on every
+    rank, in the same order). A record (:meth:`end`) holds:
+
+    * ``loss``: the training batch loss, mean over ranks.
+    * ``grad_norm``: the norm of the LOCAL gradient (before synchronisation), RMS over ranks:
+      ``sqrt(Σ_ranks ‖g‖² / ranks)``. A tensor hook (``Tensor.register_hook``) on each parameter
+      sees the gradient as back-propagation produces it, before it is accumulated into ``.grad``
+      and so before the optimizers' post-accumulate hooks (ours, Horovod's, DDP's) read it; it
+      returns ``None`` and changes nothing.
+    * ``update_norm``: ``‖x_after − x_before‖`` over all parameters (the same on every rank).
+    * ``momentum_norm``: RMS over ranks of the norm of the momentum the run holds: the wrapped
+      SGD's ``momentum_buffer`` s (equal on every rank), or, with ``momentum_correction=True``,
+      the plugin's local momentum ``u`` (per rank, of local gradients; read through
+      ``opt._controller.momentum``, no public attribute has it). ``None`` where neither exists.
+    * ours only (an optimizer with ``residuals``), over the parameters that hold an error-feedback
+      residual (those in the dense buffer of ``min_selected`` hold none and are left out):
+      ``residual_norm`` (RMS over ranks of ``‖r‖``), ``residual_ratio`` (``residual_norm /
+      grad_norm``), ``residual_age`` (``Σ|r|·age / Σ|r|`` over ranks, where ``age`` is a per-element
+      counter: after each step +1 where ``r ≠ 0``, 0 where ``r == 0``, so an element sent leaves
+      age 0 and mass held since k steps has age k), ``released_age`` (the age, before this step,
+      of the elements sent this step — ``r`` zero after the step — weighted by what they sent,
+      ``|r_before + e|``; ``e`` is the local gradient, or with momentum correction ``m·u_before +
+      g``, weight decay and local clipping not counted; ``None`` if nothing was sent),
+      ``released_residual_norm`` (RMS over ranks of the norm of ``r_before`` over the elements
+      sent: the stale mass released this step), ``sent_fraction`` (``opt.last_stats.density``,
+      mean over ranks) and ``tensors``: per parameter that holds a residual, its
+      ``residual_ratio`` (over its own local gradient's norm), ``residual_age`` and
+      ``released_age``.
+    """
+
+    def __init__(self, model, opt, size: int) -> None:
+        self.opt, self.size = opt, size
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.store = getattr(opt, "residuals", None)  # ours: names are model.named_parameters()'s
+        self.mc = getattr(getattr(opt, "_controller", None), "momentum", None) if self.store is not None else None
+        self.grad_sq, self.grads, self.tensor_sq = 0.0, {}, {}
+        self.age: dict[str, torch.Tensor] = {}
+        self.prev: dict[str, torch.Tensor] = {}    # r after the last step
+        self.prev_u: dict[str, torch.Tensor] = {}  # momentum correction's u after the last step
+        self.x0 = None
+        self.handles = [p.register_hook(self._hook(n)) for n, p in self.named]
+
+    def _hook(self, name: str):
+        def hook(g: torch.Tensor) -> None:
+            g = g.detach()
+            g = g.to_dense() if g.is_sparse else g
+            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            self.grad_sq += sq
+            self.tensor_sq[name] = self.tensor_sq.get(name, 0.0) + sq
+            if self.store is not None:
+                flat = g.reshape(-1)
+                self.grads[name] = flat.clone() if name not in self.grads else self.grads[name] + flat
+            return None
+        return hook
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).double() for _, p in self.named])
+
+    def begin(self) -> None:
+        """Before the step's backward: forget the last step's gradient, copy the parameters."""
+        self.grad_sq, self.grads, self.tensor_sq = 0.0, {}, {}
+        self.x0 = self._flat()
+
+    def _momentum_sq(self) -> float | None:
+        if self.mc is not None:
+            return sum(float(torch.linalg.vector_norm(self.mc.momentum(n), dtype=torch.float64)) ** 2
+                       for n, _ in self.named)
+        state = getattr(self.opt, "state", {})
+        bufs = [state[p].get("momentum_buffer") for _, p in self.named if p in state]
+        bufs = [b for b in bufs if b is not None]
+        if not bufs:
+            return None
+        return sum(float(torch.linalg.vector_norm(b, dtype=torch.float64)) ** 2 for b in bufs)
+
+    #: per parameter: grad_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq
+    PER = 7
+
+    def _residual_sums(self) -> list[list[float]]:
+        """This rank's sums per parameter (:attr:`PER`, zeros for one without a residual), in the
+        model's order (the same on every rank); the ages advanced."""
+        out = []
+        held = set(self.store.names()) | set(self.age)
+        for name, p in self.named:
+            sums = [self.tensor_sq.get(name, 0.0)] + [0.0] * (self.PER - 1)
+            out.append(sums)
+            if name not in held:
+                continue
+            r = self.store.peek(name)
+            r = torch.zeros(p.numel(), dtype=p.dtype) if r is None else r.detach().reshape(-1)
+            zero = torch.zeros_like(r)
+            age = self.age.get(name, torch.zeros(r.numel(), dtype=torch.int32))
+            before = self.prev.get(name, zero)
+            e = self.grads.get(name, zero)
+            if self.mc is not None:
+                m = float(self.mc.factors(p)[0])
+                e = e + m * self.prev_u.get(name, zero)
+            w = (before + e).abs().double()
+            sent = r == 0
+            ws = torch.where(sent, w, torch.zeros_like(w))
+            sums[4] += float((ws * age).sum())
+            sums[5] += float(ws.sum())
+            sums[6] += float(torch.where(sent, before, zero).double().pow(2).sum())
+            age = torch.where(sent, torch.zeros_like(age), age + 1)
+            a = r.abs().double()
+            sums[1] += float(a.pow(2).sum())
+            sums[2] += float((a * age).sum())
+            sums[3] += float(a.sum())
+            self.age[name], self.prev[name] = age, r.clone()
+            if self.mc is not None:
+                self.prev_u[name] = self.mc.momentum(name).detach().reshape(-1).clone()
+        return out
+
+    def end(self, loss: float) -> dict:
+        """After the step: this step's record (a collective: every rank calls it at every step)."""
+        update = float(torch.linalg.vector_norm(self._flat() - self.x0))
+        ours = self.store is not None
+        per = self._residual_sums() if ours else []
+        mom = self._momentum_sq()
+        density = float(self.opt.last_stats.density) if ours else 0.0
+        local = torch.tensor([loss, self.grad_sq, -1.0 if mom is None else mom, density, *sum(per, [])],
+                             dtype=torch.float64)
+        total = hvd.allreduce(local, op=hvd.Sum, name="bench.diagnostics").tolist()
+        n = self.size
+        loss, grad_sq, mom_sq, density = total[:4]
+        grad_norm = (grad_sq / n) ** 0.5
+        rec = {"loss": loss / n, "grad_norm": grad_norm, "update_norm": update,
+               "momentum_norm": None if mom is None else (mom_sq / n) ** 0.5}
+        if ours:
+            rows = [total[4 + i * self.PER:4 + (i + 1) * self.PER] for i in range(len(self.named))]
+            g_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq = (sum(col) for col in zip(*rows))
+            residual = (res_sq / n) ** 0.5
+            rec.update(residual_norm=residual, residual_ratio=residual / grad_norm if grad_norm > 0 else None,
+                       residual_age=res_abs_age / res_abs if res_abs > 0 else 0.0,
+                       released_age=rel_w_age / rel_w if rel_w > 0 else None,
+                       released_residual_norm=(rel_sq / n) ** 0.5, sent_fraction=density / n)
+            rec["tensors"] = {name: {"residual_ratio": (row[1] / row[0]) ** 0.5 if row[0] > 0 else None,
+                                     "residual_age": row[2] / row[3],
+                                     "released_age": row[4] / row[5] if row[5] > 0 else None}
+                              for (name, _), row in zip(self.named, rows) if row[3] > 0}
+        return rec
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -286,9 +484,10 @@ def summarise(model: str, runs: dict, higher: bool) -> dict:
 def print_table(model: str, task_cls, s: dict, args, workers: int) -> None:
     higher = task_cls.higher_is_better
     unit = "points" if higher else "%"
-    print(f"\n{model}: {task_cls.metric}, {workers} workers, seeds {args.seeds}; quality target "
-          f"{s['target']:.4g} (dense median {s['dense']:.4g} {'−' if higher else '+'} "
-          f"{QUALITY[model] * 100:g}{' points' if higher else ' %'})")
+    target = "none (no horovod run)" if s["target"] is None else (
+        f"{s['target']:.4g} (dense median {s['dense']:.4g} {'−' if higher else '+'} "
+        f"{QUALITY[model] * 100:g}{' points' if higher else ' %'})")
+    print(f"\n{model}: {task_cls.metric}, {workers} workers, seeds {args.seeds}; quality target {target}")
     print(f"{'scheme':<26} {'final median [min–max]':>28} {'vs dense':>10} {'density':>8} "
           f"{'train s':>8} {'to quality s (steps)':>21}")
     for key, r in s["rows"].items():
@@ -329,6 +528,116 @@ def plot(model: str, task_cls, runs: dict, path: str) -> None:
     plt.close(fig)
 
 
+def lag_steps(last: int) -> list[int]:
+    """The steps of the lag table: 11, 22, 44 (those within the run) and the last."""
+    return sorted({s for s in (11, 22, 44) if s < last} | {last})
+
+
+def _at(records: list[dict], field: str, step: int, window: int = 1) -> float | None:
+    """The mean of ``field`` over the ``window`` steps up to ``step`` (``None`` if none has it)."""
+    vals = [r[field] for r in records if step - window < r["step"] <= step and r.get(field) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _nearest(curve: list[dict], step: int) -> float:
+    """The metric of the evaluation nearest ``step`` (the earlier of two as near)."""
+    return min(curve, key=lambda p: (abs(p["step"] - step), p["step"]))["metric"]
+
+
+def _median(vals) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def lag_rows(runs: dict) -> dict:
+    """Per step of :func:`lag_steps` and scheme: medians over seeds of the test metric (nearest
+    evaluation), the loss (mean of the 5 steps up to the step), the residual's ratio and age, the
+    released age and stale norm (over the gradient norm), and per seed the update's and
+    momentum's norms over Horovod's at the same step (same seed), median of the ratios."""
+    last = max(len(r["diagnostics"]) for by_seed in runs.values() for r in by_seed.values())
+    dense = runs.get("horovod", {})
+    out = {}
+    for step in lag_steps(last):
+        rows = {}
+        for key, by_seed in runs.items():
+            def ratio(field):
+                return _median([(_at(r["diagnostics"], field, step) / _at(dense[s]["diagnostics"], field, step))
+                                if s in dense and _at(r["diagnostics"], field, step) is not None
+                                and _at(dense[s]["diagnostics"], field, step) else None
+                                for s, r in by_seed.items()])
+
+            def med(field, window=1):
+                return _median([_at(r["diagnostics"], field, step, window) for r in by_seed.values()])
+
+            rows[key] = {"metric": _median([_nearest(r["curve"], step) for r in by_seed.values()]),
+                         "loss5": med("loss", 5), "grad_norm": med("grad_norm"),
+                         "residual_ratio": med("residual_ratio"), "residual_age": med("residual_age"),
+                         "released_age": med("released_age"),
+                         "released_over_grad": _median([
+                             _at(r["diagnostics"], "released_residual_norm", step) / _at(r["diagnostics"], "grad_norm", step)
+                             if _at(r["diagnostics"], "released_residual_norm", step) is not None
+                             and _at(r["diagnostics"], "grad_norm", step) else None for r in by_seed.values()]),
+                         "sent": med("sent_fraction"),
+                         "update_vs_dense": ratio("update_norm"), "momentum_vs_dense": ratio("momentum_norm")}
+        out[step] = rows
+    return out
+
+
+def print_lag_table(model: str, task_cls, rows: dict, args, workers: int) -> None:
+    def f(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    print(f"\n{model}: error-feedback diagnostics, {workers} workers, seeds {args.seeds}, medians over seeds. "
+          f"metric: {task_cls.metric} at the nearest evaluation; loss: mean of the 5 steps up to the step; "
+          "res/g: residual norm / local gradient norm; age: |r|-weighted mean age of the residual (steps); "
+          "rel age: |sent|-weighted age of what was sent; rel/g: norm of the stale residual released / gradient "
+          "norm; upd/hvd, mom/hvd: update and momentum norm over Horovod's at the same step (same seed)")
+    print(f"{'step':>4} {'scheme':<20} {'metric':>7} {'loss':>6} {'grad':>6} {'res/g':>6} {'age':>5} {'rel age':>7} "
+          f"{'rel/g':>6} {'sent':>6} {'upd/hvd':>7} {'mom/hvd':>7}")
+    for step, by_key in rows.items():
+        for key, r in by_key.items():
+            print(f"{step:>4} {key:<20} {f(r['metric'], '.4f'):>7} {f(r['loss5'], '.3f'):>6} "
+                  f"{f(r['grad_norm'], '.3f'):>6} {f(r['residual_ratio'], '.2f'):>6} {f(r['residual_age'], '.2f'):>5} "
+                  f"{f(r['released_age'], '.2f'):>7} {f(r['released_over_grad'], '.2f'):>6} {f(r['sent'], '.4f'):>6} "
+                  f"{f(r['update_vs_dense'], '.2f'):>7} {f(r['momentum_vs_dense'], '.2f'):>7}")
+
+
+def plot_lag(model: str, task_cls, runs: dict, path: str) -> None:
+    """Four panels against the step, one line per scheme (median over seeds): the test metric,
+    the residual's norm over the gradient's, the residual's age, the update's norm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    panels = [("metric", f"{task_cls.metric}"), ("residual_ratio", "residual norm / gradient norm"),
+              ("residual_age", "residual age (|r|-weighted, steps)"), ("update_norm", "update norm ‖Δx‖")]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (field, title) in zip(axes.flat, panels):
+        for n, (key, by_seed) in enumerate(runs.items()):
+            style = dict(label=key, color="black" if key == "horovod" else colours[n % len(colours)],
+                         lw=2 if key == "horovod" else 1.2, ls="--" if "+" in key else "-")
+            if field == "metric":
+                curves = [r["curve"] for r in by_seed.values()]
+                ax.plot([p["step"] for p in curves[0]], np.median([[p["metric"] for p in c] for c in curves], axis=0),
+                        marker=".", ms=3, **style)
+                continue
+            recs = [r["diagnostics"] for r in by_seed.values()]
+            if any(x.get(field) is None for rec in recs for x in rec):
+                continue
+            ax.plot([x["step"] for x in recs[0]], np.median([[x[field] for x in rec] for rec in recs], axis=0), **style)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[1, 1].set_yscale("log")
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{model}: error feedback against the step (median over seeds)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- main ---------------------------------------------------------------------------------------
 #: The options of the training itself (the tasks' length, evaluation and warm-up), which
 #: ``bench_time_to_accuracy`` passes on to its workers.
@@ -353,8 +662,21 @@ def main() -> None:
     ap.add_argument("--densities", nargs="+", type=float, default=list(DENSITIES))
     ap.add_argument("--schemes", nargs="+", help="only these keys (default: every scheme; see the docstring)")
     add_training_args(ap)
+    ap.add_argument("--digits-width", type=int, default=32,
+                    help="digits: the CNN's width (32: 61 k weights; examples/train_digits.py uses 64)")
+    ap.add_argument("--digits-lr", type=float, default=0.05, help="digits: the SGD's learning rate (not scaled "
+                    "by the worker count; examples/train_digits.py uses 0.02 × workers)")
+    ap.add_argument("--min-selected", type=int, help="our schemes' min_selected (default: the optimizer's)")
+    ap.add_argument("--steps", type=int, help="train only the first N steps (overrides the epochs)")
+    ap.add_argument("--eval-every", type=int, help="evaluate every K steps (default: --evals per epoch)")
+    ap.add_argument("--diagnostics", action="store_true",
+                    help="record error-feedback diagnostics at every step (see Diagnostics): a table per "
+                         "model, lag_{model}.png and the records in results.json")
     ap.add_argument("--out", default="out/bench_convergence")
     args = ap.parse_args()
+    for name in ("steps", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = args.schemes or scheme_keys(args)
     for k in keys:
         if k not in ("horovod", "ddp-powersgd"):
@@ -380,17 +702,22 @@ def main() -> None:
                     bar.update()
         results[model] = {"runs": runs, "summary": summarise(model, runs, task.higher_is_better),
                           "steps_per_epoch": task.steps_per_epoch(), "epochs": task.epochs,
+                          "steps": total_steps(task, args),
                           "params": sum(p.numel() for p in task.model().parameters())}
         if rank == 0:  # each model's table and files as soon as it is done
             print_table(model, TASKS[model], results[model]["summary"], args, size)
             os.makedirs(args.out, exist_ok=True)
             plot(model, TASKS[model], runs, os.path.join(args.out, f"convergence_{model}.png"))
+            if args.diagnostics:
+                results[model]["lag"] = lag_rows(runs)
+                print_lag_table(model, TASKS[model], results[model]["lag"], args, size)
+                plot_lag(model, TASKS[model], runs, os.path.join(args.out, f"lag_{model}.png"))
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"args": vars(args), "workers": size, "torch": torch.__version__,
                            "minutes": (time.time() - t_start) / 60, "results": results}, f, indent=1)
     if rank == 0:
         print(f"\n{(time.time() - t_start) / 60:.1f} minutes; wrote {args.out}/results.json and "
-              f"convergence_*.png")
+              f"convergence_*.png" + (" and lag_*.png" if args.diagnostics else ""))
     dist.destroy_process_group()
 
 
