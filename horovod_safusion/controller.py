@@ -36,8 +36,9 @@ Four rules keep error feedback exact in real training loops (the stages' docstri
 DGC's accuracy techniques (:mod:`~horovod_safusion.momentum`, :mod:`~horovod_safusion.warmup`) act
 on what enters the residual: local clipping, then momentum correction (the residual accumulates
 momentum ``u``, so the invariant reads ``residual_after + sent == residual_before + u``; masking
-clears ``u`` where a sparse step sent), and a warm-up that sets the density of each step — a step
-at density 1 is sent dense.
+clears ``u`` where a sparse step sent; with EF21-SGDM the residual accumulates ``u``'s increment
+instead, and nothing is masked), and a warm-up that sets the density of each step — a step at
+density 1 is sent dense.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class Controller:
         sparse_as_dense: densify sparse gradients (as in Horovod) instead of rejecting them.
         loss_scale: returns the loss scale of the step being back-propagated (a ``GradScaler``'s),
             or ``None``; residuals are rescaled when it changes.
-        momentum: momentum correction (DGC): the residual accumulates local momentum.
+        momentum: momentum correction (DGC) or EF21-SGDM: the residual accumulates local momentum
+            or its increments.
         clipping: local gradient clipping (DGC), applied to each gradient before error feedback.
         warmup: the density of each step while warming up (DGC); the compressor's own density is
             the target.

@@ -26,6 +26,25 @@ optimizer's ``state_dict()``.
 ``max_norm · N^(−1/2)`` before it enters error feedback, so that the sum of N workers' gradients
 keeps the global norm bound. DGC's reference code clips per tensor too; a whole-model norm is not
 known while back-propagation streams tensors into buffers that are already launched.
+
+**EF21-SGDM** (Fatkhullin, Tyurin and Richtárik, "Momentum Provably Improves Error Feedback!",
+NeurIPS'23, Algorithm 1) keeps the same local momentum but compresses its *increments*, and the
+model moves by a dense estimate that every rank keeps alike::
+
+    v_i ← (1 − η)·v_i + η·∇f_i(x)           g_i ← g_i + C(v_i − g_i)
+    g ← g + mean_i C(v_i − g_i)             x ← x − γ·g
+
+With ``u = v/η`` (η = 1 − m, so ``u ← m·u + d`` is SGD's own momentum buffer) and the residual
+``r = u − g_i/η``, a step adds ``u``'s increment ``d − (1 − m)·u`` to the residual, sends the
+selection of ``r`` (``r`` keeps the rest, exactly as in error feedback), and the wrapped SGD runs
+with momentum 1 and no dampening, so that its momentum buffer accumulates the aggregate of what
+was sent: that buffer is ``g/η``, and its step is ``x ← x − lr·g/η``. Top-k commutes with a
+positive scale, so this is Algorithm 1 with γ = lr/η; where everything is sent it is SGD with
+momentum, to rounding. Why it matters for training: classic error feedback (and DGC's
+correction) moves a parameter only where an element was sent, and releases what waited in the
+residual in bursts that the optimizer's momentum then carries on; EF21-SGDM moves every element
+by the estimate at every step, and only the estimate's error waits. The plugin holds ``u`` and
+the residual; ``g/η`` is the wrapped SGD's own momentum buffer.
 """
 from __future__ import annotations
 
@@ -39,35 +58,47 @@ from .residual import ResidualStore, holds
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped step runs without
 
+#: How the errors name an option that takes over the wrapped SGD's momentum, its paper, and the
+#: way out.
+MOMENTUM_CORRECTION = ("momentum_correction=True", "DGC §3.2", "momentum_correction=False")
+EF21_SGDM = ('error_feedback="ef21-sgdm"', "EF21-SGDM, Algorithm 1", 'error_feedback="classic"')
 
-def check_momentum_groups(optimizer: torch.optim.Optimizer) -> None:
+
+def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, str, str] = MOMENTUM_CORRECTION,
+                          nesterov: bool = True) -> None:
     """Raise a clear ``ValueError`` unless ``optimizer`` is an SGD whose momentum the plugin can take
-    over: some group with ``momentum > 0``, none with ``dampening`` or ``maximize``."""
+    over for ``option``: some group with ``momentum > 0``, none with ``dampening`` or
+    ``maximize``, and none with Nesterov unless ``nesterov``."""
+    name, paper, instead = option
     if not isinstance(optimizer, torch.optim.SGD):
-        raise ValueError(f"momentum_correction=True takes over the momentum of torch.optim.SGD (DGC §3.2); "
-                         f"got {type(optimizer).__name__}: pass momentum_correction=False")
+        raise ValueError(f"{name} takes over the momentum of torch.optim.SGD ({paper}); "
+                         f"got {type(optimizer).__name__}: pass {instead}")
     groups = optimizer.param_groups
     if not any(g["momentum"] > 0 for g in groups):
-        raise ValueError("momentum_correction=True needs the wrapped SGD's momentum, but every parameter "
-                         "group has momentum=0: construct SGD(..., momentum=0.9) or pass "
-                         "momentum_correction=False")
+        raise ValueError(f"{name} needs the wrapped SGD's momentum, but every parameter "
+                         f"group has momentum=0: construct SGD(..., momentum=0.9) or pass {instead}")
     for i, g in enumerate(groups):
         if g.get("dampening", 0) != 0:
-            raise ValueError(f"momentum_correction=True supports dampening=0 only; parameter group {i} has "
+            raise ValueError(f"{name} supports dampening=0 only; parameter group {i} has "
                              f"dampening={g['dampening']!r}")
         if g.get("maximize", False):
-            raise ValueError(f"momentum_correction=True does not support maximize=True (parameter group {i})")
+            raise ValueError(f"{name} does not support maximize=True (parameter group {i})")
+        if g.get("nesterov", False) and not nesterov:
+            raise ValueError(f"{name} does not support nesterov=True (parameter group {i}): "
+                             f"construct SGD(..., nesterov=False) or pass {instead}")
 
 
 @contextmanager
-def momentum_suspended(groups: Sequence[dict]) -> Iterator[None]:
-    """Run the wrapped SGD's step without its momentum and weight decay (the plugin applied both
-    before sparsification), restoring the groups' values afterwards, so that ``param_groups``, LR
-    and momentum schedulers and ``state_dict()`` see what the user set."""
+def momentum_suspended(groups: Sequence[dict], momentum: float = 0) -> Iterator[None]:
+    """Run the wrapped SGD's step with ``momentum`` and without weight decay or Nesterov (the
+    plugin applied momentum and weight decay before sparsification: 0 for DGC's correction; 1 for
+    EF21-SGDM, whose buffer sums the aggregate increments), restoring the groups' values
+    afterwards, so that ``param_groups``, LR and momentum schedulers and ``state_dict()`` see what
+    the user set."""
     saved = [{k: g[k] for k in MOMENTUM_KEYS if k in g} for g in groups]
     try:
         for g in groups:
-            g.update(momentum=0, weight_decay=0, nesterov=False)
+            g.update(momentum=momentum, weight_decay=0, nesterov=False)
         yield
     finally:
         for g, s in zip(groups, saved):
@@ -82,16 +113,18 @@ class MomentumCorrection:
             ``momentum`` and ``weight_decay``).
         masking: clear ``u`` where a sparse step sent the residual (momentum factor masking).
         params: the trainable parameters by name.
+        increments: EF21-SGDM: the residual gains ``u``'s increment, not ``u`` (and no masking).
 
     Attributes:
         momenta: the per-parameter ``u``, views of the buffers' momentum planes.
     """
 
     def __init__(self, groups: Sequence[dict], masking: bool = True,
-                 params: dict[str, torch.Tensor] | None = None) -> None:
+                 params: dict[str, torch.Tensor] | None = None, increments: bool = False) -> None:
         self._groups = groups
         self._group = {id(p): g for g in groups for p in g["params"]}
-        self.masking = masking
+        self.increments = increments
+        self.masking = masking and not increments
         self.params = dict(params or {})
         self.momenta = ResidualStore()
 
@@ -133,6 +166,8 @@ class MomentumCorrection:
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
         d = g if wd == 0 else torch.add(g, p.detach().reshape(-1), alpha=wd)
+        if self.increments:
+            return self._increment(u, d, m, rescale, on_host)
         finite = on_host and bool(torch.isfinite(d.sum()))
         factor = m if rescale is None else rescale * m
         if finite:
@@ -148,6 +183,21 @@ class MomentumCorrection:
         if nesterov:
             return torch.add(d, u, alpha=m)
         return u if finite else torch.where(torch.isfinite(d), u, d)
+
+    @staticmethod
+    def _increment(u: torch.Tensor, d: torch.Tensor, m: float, rescale: torch.Tensor | None,
+                   on_host: bool) -> torch.Tensor:
+        """EF21-SGDM: ``u ← m·rescale·u + d`` in place where ``d`` is finite, and the increment
+        ``d − (1 − m)·rescale·u`` returned (not finite where ``d`` is not, so that the fill drops
+        and counts those elements; ``u`` keeps its value there)."""
+        if rescale is not None:
+            u.mul_(rescale)
+        delta = torch.add(d, u, alpha=m - 1.0)
+        if on_host and bool(torch.isfinite(d.sum())):
+            u.add_(delta)
+        else:
+            u.add_(torch.where(torch.isfinite(delta), delta, torch.zeros_like(delta)))
+        return delta
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent."""

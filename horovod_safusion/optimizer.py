@@ -47,7 +47,8 @@ from . import checkpoint, session
 from .controller import Controller, StepStats
 from .fusion import GroupsPlanner, Planner, Profile, make_planner
 from .fusion.safusion import check_dense_choice
-from .momentum import LocalClipping, MomentumCorrection, check_momentum_groups, momentum_suspended
+from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCorrection, check_momentum_groups,
+                       momentum_suspended)
 from .plan import MIN_SELECTED, FusionPlan, TensorInfo, check_plan_across_ranks
 from .profiling import OnlineProfiler
 from .timeline.recorder import TimelineRecorder, make_recorder
@@ -66,10 +67,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
                  grad_scaler=None, dense=None, momentum_correction=False, momentum_masking=True,
-                 local_clipping=None, warmup_steps=0, warmup_schedule="exponential", min_selected=MIN_SELECTED):
+                 local_clipping=None, warmup_steps=0, warmup_schedule="exponential", min_selected=MIN_SELECTED,
+                 error_feedback="classic"):
         super(self.__class__, self).__init__(params)
-        if momentum_correction:
-            check_momentum_groups(self)  # an instance of the user's optimizer class, with its groups
+        self._ef21 = _check_error_feedback(error_feedback, momentum_correction)
+        self._momentum_correction = bool(momentum_correction)
+        self._check_momentum()  # an instance of the user's optimizer class, with its groups
         self._compression = compression
         named_parameters = self._named(named_parameters)
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
@@ -103,11 +106,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._profiler = OnlineProfiler(self._planner, [_tensor_info(n, p) for n, p in self._named_trainable],
                                         {n: p.dtype for n, p in self._named_trainable},
                                         process_set, profile_steps=profile_steps, replan_every=replan_every)
-        self._momentum_correction = bool(momentum_correction)
         self._controller = self._make_controller(
             comp, comms, grad_scaler, DensityWarmup(warmup_steps, warmup_schedule, 1.0 if comp.dense else comp.density),
             momentum_masking, local_clipping, min_selected, densities)
         self._start(comp, comms, make_recorder(timeline))
+
+    def _check_momentum(self) -> None:
+        """Where the plugin takes over the wrapped SGD's momentum (DGC's correction, EF21-SGDM),
+        check that it can, as its groups stand now."""
+        if self._momentum_correction:
+            check_momentum_groups(self, MOMENTUM_CORRECTION)
+        elif self._ef21:
+            check_momentum_groups(self, EF21_SGDM, nesterov=False)
 
     def _named(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
         """``named_parameters`` checked as Horovod checks them (unique names, every parameter
@@ -148,8 +158,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return Controller(
             self._named_trainable, self._profiler.initial_plan(), comp, comms, self.op, prescale, postscale,
             self.sparse_as_dense, loss_scale=_loss_scale(grad_scaler),
-            momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable))
-            if self._momentum_correction else None,
+            momentum=MomentumCorrection(self.param_groups, momentum_masking, dict(self._named_trainable),
+                                        increments=self._ef21)
+            if self._momentum_correction or self._ef21 else None,
             clipping=None if local_clipping is None else LocalClipping(local_clipping, self.process_set.size()),
             warmup=warmup if warmup.steps else None, min_selected=_check_min_selected(min_selected),
             densities=densities)
@@ -376,8 +387,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if name in ctl.params:
                 raise ValueError(f"a parameter that joins at step {step} is named {name!r}, the name of a "
                                  "parameter already synchronised: pass named_parameters covering it")
-        if self._momentum_correction:
-            check_momentum_groups(self)
+        self._check_momentum()
         handles = [hvd.broadcast_async_(p.detach(), root_rank=ranks[0], name=session.collective(f"saf.join.{name}"),
                                         process_set=ps) for name, p in joining]
         for handle in handles:
@@ -441,8 +451,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        if self._momentum_correction:  # the plugin applied momentum and weight decay before sparsifying
-            with momentum_suspended(self.param_groups):
+        if self._momentum_correction or self._ef21:  # the plugin applied momentum and weight decay
+            # before sparsifying; EF21-SGDM's SGD buffer sums the aggregate increments (momentum 1)
+            with momentum_suspended(self.param_groups, momentum=1 if self._ef21 else 0):
                 loss = super(self.__class__, self).step(closure)
         else:
             loss = super(self.__class__, self).step(closure)
@@ -567,7 +578,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          local_clipping: float | None = None,
                          warmup_steps: int = 0,
                          warmup_schedule: str = "exponential",
-                         min_selected: int = MIN_SELECTED):
+                         min_selected: int = MIN_SELECTED,
+                         error_feedback: str = "classic"):
     """
     An optimizer that wraps another ``torch.optim.Optimizer`` and synchronises sparsified
     gradients with sparsification-ahead tensor fusion (SAFusion, HPDC'25).
@@ -646,6 +658,15 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                ``0`` sparsifies every tensor, as the papers do). Error feedback on a tensor that
                sends one or a few elements per step holds its gradient back for many steps and
                releases it in bursts that momentum amplifies; see the user guide.
+        error_feedback: what waits for a later step when a step sends only a selection.
+               ``"classic"`` (the default; Seide et al.'s error feedback): the unsent gradient, in a
+               residual added to the next step's gradient; the wrapped optimizer applies the
+               aggregate of what was sent. ``"ef21-sgdm"`` (Fatkhullin, Tyurin and Richtárik,
+               NeurIPS'23, Algorithm 1): each worker keeps the wrapped SGD's momentum itself and
+               sends a selection of how far it moved from what was sent before; every rank then
+               moves every element by the aggregate estimate, at every step. Needs
+               ``torch.optim.SGD`` with ``momentum > 0`` (not Nesterov), whose momentum buffer
+               holds the estimate; not with ``momentum_correction``.
 
     The returned optimizer has ``plan``, ``profile``, ``set_plan()``, ``last_stats``, ``residuals`` and
     ``timeline`` besides Horovod's ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
@@ -686,7 +707,23 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                grad_scaler=grad_scaler, dense=dense, momentum_correction=momentum_correction,
                momentum_masking=momentum_masking,
                local_clipping=local_clipping, warmup_steps=warmup_steps, warmup_schedule=warmup_schedule,
-               min_selected=min_selected)
+               min_selected=min_selected, error_feedback=error_feedback)
+
+
+ERROR_FEEDBACK = ("classic", "ef21-sgdm")
+
+
+def _check_error_feedback(error_feedback: Any, momentum_correction: bool) -> bool:
+    """Whether ``error_feedback`` asks for EF21-SGDM; a clear ``ValueError`` for anything not in
+    :data:`ERROR_FEEDBACK`, or for EF21-SGDM with DGC's momentum correction (both would take over
+    the same momentum)."""
+    if error_feedback not in ERROR_FEEDBACK:
+        raise ValueError(f"error_feedback must be one of {', '.join(map(repr, ERROR_FEEDBACK))}, "
+                         f"got {error_feedback!r}")
+    if error_feedback == "ef21-sgdm" and momentum_correction:
+        raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
+                         "with momentum_correction=True: pass one of them")
+    return error_feedback == "ef21-sgdm"
 
 
 class SAFusionOptimizer:

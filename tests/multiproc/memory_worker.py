@@ -40,6 +40,7 @@ CONFIGS = {
     "zen": {"communicator": "zen", "dense": False},
     "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
     "momentum_correction": {"momentum_correction": True, "dense": False},
+    "ef21-sgdm": {"error_feedback": "ef21-sgdm", "dense": False},
 }
 SETTLED_STEPS = 5  # trained after the plan settled, before the walk
 LEAK_STEPS = 300

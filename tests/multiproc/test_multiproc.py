@@ -103,6 +103,17 @@ def test_dgc_techniques_conserve_and_switch_density_together(job):
             assert d[0] > d[2] > d[3] > d[5] > d[6] == 0.01, d
 
 
+def test_ef21_sgdm_conserves_and_keeps_replicas_identical(job):
+    """EF21-SGDM across ranks: what every rank sent is what it took out of its residual, the
+    wrapped SGD's momentum buffer sums the aggregates, and the replicas agree bit for bit."""
+    runs = per_rank(job, "ef21_sgdm")
+    for r in runs:
+        assert r["conservation_diff"] < 1e-6, r
+        assert r["buffer_diff"] < 1e-5, r
+        assert 0.005 < r["final_density"] < 0.05, r
+    assert len({r["checksum"] for r in runs}) == 1, [r["checksum"] for r in runs]
+
+
 def test_density_auto_is_chosen_alike_conserves_across_changes_and_resumes_bit_for_bit(job):
     """density="auto": every candidate priced, the trial settled, the same density on every rank
     (or dense on every rank); a checkpoint after the choice resumes bit-identically; switching the

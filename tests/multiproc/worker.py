@@ -326,6 +326,42 @@ def scenario_dgc_techniques():
     return out
 
 
+def scenario_ef21_sgdm():
+    """EF21-SGDM at density 0.01 (every tensor sparsified, a dense warm-up of 3 steps): per step,
+    the job's aggregate is the mean of what left every rank (``before + δ − after``, with
+    ``δ = g − (1 − m)·u_prev`` computed here), and the wrapped SGD's momentum buffer is the sum of
+    the aggregates; records the final parameters' checksum (ranks must agree bit for bit)."""
+    m = make(width=16)
+    opt = saf.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), named_parameters=m.named_parameters(),
+        compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False, min_selected=0,
+        error_feedback="ef21-sgdm", warmup_steps=3, warmup_schedule="dense")
+    ctl = opt._controller
+    named = list(m.named_parameters())
+    worst_cons, worst_buffer, sums = 0.0, 0.0, [torch.zeros(p.numel(), dtype=torch.float64) for _, p in named]
+    for step in range(8):
+        before = residuals_of(opt, named)
+        u_prev = [ctl.momentum.momentum(n).clone() for n, _ in named]
+        opt.zero_grad()
+        x, y = batch(step)
+        local = LocalGradients(named)
+        F.cross_entropy(m(x), y).backward()
+        local.remove()
+        opt.synchronize()
+        acc = [r + torch.add(local.grads[n], u, alpha=0.9 - 1) for r, (n, _), u in zip(before, named, u_prev)]
+        worst_cons = max(worst_cons, conservation_diff(named, acc, residuals_of(opt, named)))
+        for total, (_, p) in zip(sums, named):
+            total += p.grad.detach().view(-1).double()
+        with opt.skip_synchronize():
+            opt.step()
+        for total, (_, p) in zip(sums, named):
+            buf = opt.state[p]["momentum_buffer"].view(-1).double()
+            worst_buffer = max(worst_buffer, float((buf - total).abs().max()))
+    return {"conservation_diff": worst_cons, "buffer_diff": worst_buffer,
+            "checksum": float(sum(p.detach().double().sum() for p in m.parameters())),
+            "final_density": opt.last_stats.density}
+
+
 def scenario_device_path():
     """The GPU path on CPU tensors (``HOROVOD_SAFUSION_DEVICE_PATH=1``), with the PyTorch kernels
     and with the Triton kernels under their interpreter: dgc at 0.01, ranks selecting different
