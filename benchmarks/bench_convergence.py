@@ -30,7 +30,8 @@ and density in ``--densities`` with DGC's compressor (the default), and the same
 ``--warmup-fraction`` of the run (exponential schedule) and, where the task clips,
 ``local_clipping`` at the same norm instead of the global clip; ``safusion@D+dgc+nomask`` the
 same without masking; ``safusion@0.01/COMPRESSOR`` for every other registered compressor.
-``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``. Ours
+``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``, and
+``+ef21`` (``error_feedback="ef21-sgdm"``). Ours
 always sparsify (``dense=False``), so the comparison is of the sparse algorithms.
 
 Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
@@ -176,7 +177,8 @@ def scheme_keys(args) -> list[str]:
     return keys
 
 
-TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping", "warmup": "density warm-up"}
+TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping",
+              "warmup": "density warm-up", "ef21": "EF21-SGDM error feedback"}
 DGC = {"mc", "clip", "warmup"}
 
 
@@ -223,7 +225,8 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
     kw = parse_key(key)
     techniques = kw.pop("techniques")
     extra = {"momentum_correction": "mc" in techniques, "momentum_masking": "nomask" not in techniques,
-             "warmup_steps": warmup if "warmup" in techniques else 0}
+             "warmup_steps": warmup if "warmup" in techniques else 0,
+             "error_feedback": "ef21-sgdm" if "ef21" in techniques else "classic"}
     if getattr(args, "min_selected", None) is not None:
         extra["min_selected"] = args.min_selected
     local = "clip" in techniques and task.clip is not None
@@ -333,7 +336,8 @@ class Diagnostics:
       age 0 and mass held since k steps has age k), ``released_age`` (the age, before this step,
       of the elements sent this step — ``r`` zero after the step — weighted by what they sent,
       ``|r_before + e|``; ``e`` is the local gradient, or with momentum correction ``m·u_before +
-      g``, weight decay and local clipping not counted; ``None`` if nothing was sent),
+      g`` (EF21-SGDM: ``g − (1 − m)·u_before``), weight decay and local clipping not counted;
+      ``None`` if nothing was sent),
       ``released_residual_norm`` (RMS over ranks of the norm of ``r_before`` over the elements
       sent: the stale mass released this step), ``sent_fraction`` (``opt.last_stats.density``,
       mean over ranks) and ``tensors``: per parameter that holds a residual, its
@@ -405,8 +409,8 @@ class Diagnostics:
             before = self.prev.get(name, zero)
             e = self.grads.get(name, zero)
             if self.mc is not None:
-                m = float(self.mc.factors(p)[0])
-                e = e + m * self.prev_u.get(name, zero)
+                m = float(self.mc.factors(p)[0])  # EF21-SGDM adds u's increment, DGC's correction u
+                e = e + (m - 1 if self.mc.increments else m) * self.prev_u.get(name, zero)
             w = (before + e).abs().double()
             sent = r == 0
             ws = torch.where(sent, w, torch.zeros_like(w))
