@@ -1,6 +1,7 @@
 """DGC's accuracy techniques through the real optimizer in a one-worker Horovod job: momentum
 correction and factor masking (exact conservation of the new state, masking, equivalence with
-SGD's momentum when everything is sent), local gradient clipping, and the density warm-up."""
+SGD's momentum when everything is sent, EF21-SGDM's too), local gradient clipping, and the
+density warm-up."""
 import math
 
 import pytest
@@ -106,13 +107,15 @@ def test_momentum_correction_keeps_u_where_the_gradient_is_not_finite(hvd, bad):
         opt.step()
 
 
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_correction_at_density_1_is_sgd_with_momentum(hvd, nesterov):
-    """Everything sent (dense, no masking): the same trajectory as the wrapped SGD's own momentum,
-    to float rounding (the order of additions differs)."""
+@pytest.mark.parametrize("nesterov,technique", [(False, {"momentum_correction": True}),
+                                                 (True, {"momentum_correction": True}),
+                                                 (False, {"error_feedback": "ef21-sgdm"})])
+def test_taking_over_the_momentum_at_density_1_is_sgd_with_momentum(hvd, nesterov, technique):
+    """Everything sent (dense, no masking), with DGC's momentum correction or EF21-SGDM: the same
+    trajectory as the wrapped SGD's own momentum, to float rounding (the order of additions
+    differs)."""
     ref_model, ref = make(nesterov=nesterov, weight_decay=1e-3, compressor="none", fusion="horovod")
-    model, opt = make(nesterov=nesterov, weight_decay=1e-3, compressor="topk", density=1.0,
-                      momentum_correction=True)
+    model, opt = make(nesterov=nesterov, weight_decay=1e-3, compressor="topk", density=1.0, **technique)
     for step in range(6):
         for mdl, o in ((ref_model, ref), (model, opt)):
             o.zero_grad()
@@ -120,7 +123,8 @@ def test_momentum_correction_at_density_1_is_sgd_with_momentum(hvd, nesterov):
             o.step()
     for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
-    assert all(not opt.state[p] for p in model.parameters())  # SGD kept no momentum buffer of its own
+    if "momentum_correction" in technique:  # EF21-SGDM's estimate is the SGD's buffer
+        assert all(not opt.state[p] for p in model.parameters())  # SGD kept no momentum buffer of its own
 
 
 def test_momentum_correction_needs_sgd_with_momentum(hvd):

@@ -1,34 +1,21 @@
 """EF21-SGDM (Fatkhullin, Tyurin and Richtárik, NeurIPS'23, Algorithm 1) through the real
 optimizer in a one-worker Horovod job: exact conservation of what joins the residual, the local
-momentum, the wrapped SGD's buffer as the sum of what was sent, equivalence with SGD's momentum
-when everything is sent, bit-identical resume, and clear errors."""
+momentum, the wrapped SGD's buffer as the sum of what was sent, bit-identical resume, and clear
+errors (SGD with momentum at density 1: ``test_dgc_techniques``)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import horovod_safusion as saf
-from horovod_safusion.fusion import NaivePlanner
-from digits import DigitsCNN, load_digits_split
+from digits import DigitsCNN
+from test_dgc_techniques import backward, make as make_sgd
 
-DATA = load_digits_split()
 M = 0.9
 
 
-def make(momentum=M, nesterov=False, weight_decay=0.0, seed=0, **kwargs):
-    torch.manual_seed(seed)
-    model = DigitsCNN(width=8)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, nesterov=nesterov,
-                          weight_decay=weight_decay)
-    kwargs.setdefault("fusion", NaivePlanner(capacity_bytes=4096))
+def make(**kwargs):
+    """A digits CNN and its optimizer as the DGC tests make them, with EF21-SGDM by default."""
     kwargs.setdefault("error_feedback", "ef21-sgdm")
-    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), min_selected=0, **kwargs)
-    return model, opt
-
-
-def backward(model, step):
-    x, y, _, _ = DATA
-    sl = slice(step * 64, (step + 1) * 64)
-    F.cross_entropy(model(x[sl]), y[sl]).backward()
+    return make_sgd(momentum=kwargs.pop("momentum", M), **kwargs)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 5e-4])
@@ -66,20 +53,6 @@ def test_ef21_sgdm_conserves_and_sums_what_was_sent(hvd, weight_decay):
         for g in opt.param_groups:
             assert g["momentum"] == M and g["weight_decay"] == weight_decay and g["nesterov"] is False
     assert any(float(opt.residuals.get(n, p.detach().view(-1)).abs().sum()) > 0 for n, p in names.items())
-
-
-def test_ef21_sgdm_at_density_1_is_sgd_with_momentum(hvd):
-    """Everything sent: the estimate is the momentum itself, and the trajectory is the wrapped
-    SGD's own momentum (with weight decay), to float rounding."""
-    ref_model, ref = make(weight_decay=1e-3, compressor="none", fusion="horovod", error_feedback="classic")
-    model, opt = make(weight_decay=1e-3, compressor="topk", density=1.0)
-    for step in range(6):
-        for mdl, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            backward(mdl, step)
-            o.step()
-    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
 
 
 def test_ef21_sgdm_resumes_bit_for_bit(hvd, tmp_path):
