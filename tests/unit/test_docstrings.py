@@ -122,7 +122,7 @@ def test_every_allowed_phrase_is_still_needed():
     ("# the plan of 46d8aa6b1f", "commit hash"),
     ('def f():\n    """Measured on 2025-03-14."""', "date"),
     ('"""See ../shared/NOTES.md."""', "path outside the repository"),
-    ("# notes in /work/main/out", "path outside the repository"),
+    ("# notes in ../notes/out", "path outside the repository"),
     ('"""The figures are in the README, "How fast"."""', "pointer to the README"),
     ("x = 1  # a step took 0.072 s", "time"),
     ('"""Cycles of 12\n    ms cost less."""', "time"),
