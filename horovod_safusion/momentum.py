@@ -14,6 +14,10 @@ and the wrapped SGD then applies the aggregate *without* momentum or weight deca
 factor masking (§3.3) clears ``u`` where ``v`` was sent, so that a sent element does not keep
 pushing in a stale direction. Steps sent dense (warm-up, the dense choice, density 1) keep ``u``
 whole, as DGC's uncompressed tensors do: at density 1 this is SGD with momentum (to rounding).
+Where DGC's code hands the wrapped optimizer the aggregate itself, ``synchronize()`` here leaves
+``(1 − m)`` of it in ``.grad`` and the step runs at ``lr/(1 − m)`` (:func:`to_gradient_scale`):
+the same step, but a clip between ``synchronize()`` and ``step()`` then acts on the gradient's
+scale, as the user chose its bound (DGC §3.2 clips locally instead: ``local_clipping``).
 
 :class:`MomentumCorrection` owns ``u``: per parameter, a view of its fusion buffer's momentum
 plane (:mod:`horovod_safusion.buffer`), one flat tensor per gradient element, updated in place
@@ -88,16 +92,38 @@ def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, s
                              f"construct SGD(..., nesterov=False) or pass {instead}")
 
 
+def to_gradient_scale(groups: Sequence[dict]) -> None:
+    """Scale each parameter's aggregate momentum in ``.grad`` by ``1 − m`` of its group, in place.
+
+    Under DGC's correction the aggregate is a sum of momenta ``u``, about ``1/(1 − m)`` times the
+    gradients they accumulate. A script that clips (or measures) ``.grad`` between
+    ``synchronize()`` and ``step()`` — Horovod's recipe for gradient clipping — would clip
+    momentum ten times larger than the gradients its bound was chosen for (m = 0.9), and train at
+    a tenth of its step. In the gradient's units the bound means what it means without the plugin;
+    :func:`momentum_suspended` with ``rescaled=True`` then steps at ``lr/(1 − m)``, so that without
+    a clip the step is DGC's ``lr · u`` (to rounding)."""
+    for group in groups:
+        keep = 1.0 - float(group["momentum"])
+        if keep == 1.0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(keep)
+
+
 @contextmanager
-def momentum_suspended(groups: Sequence[dict], momentum: float = 0) -> Iterator[None]:
+def momentum_suspended(groups: Sequence[dict], momentum: float = 0, rescaled: bool = False) -> Iterator[None]:
     """Run the wrapped SGD's step with ``momentum`` and without weight decay or Nesterov (the
     plugin applied momentum and weight decay before sparsification: 0 for DGC's correction; 1 for
-    EF21-SGDM, whose buffer sums the aggregate increments), restoring the groups' values
-    afterwards, so that ``param_groups``, LR and momentum schedulers and ``state_dict()`` see what
-    the user set."""
-    saved = [{k: g[k] for k in MOMENTUM_KEYS if k in g} for g in groups]
+    EF21-SGDM, whose buffer sums the aggregate increments), and with ``rescaled`` at
+    ``lr/(1 − m)`` (``.grad`` holds ``1 − m`` of the aggregate: :func:`to_gradient_scale`),
+    restoring the groups' values afterwards, so that ``param_groups``, LR and momentum schedulers
+    and ``state_dict()`` see what the user set."""
+    saved = [{k: g[k] for k in MOMENTUM_KEYS + ("lr",) if k in g} for g in groups]
     try:
         for g in groups:
+            if rescaled:
+                g["lr"] = g["lr"] / (1.0 - float(g["momentum"]))
             g.update(momentum=momentum, weight_decay=0, nesterov=False)
         yield
     finally:

@@ -48,7 +48,7 @@ from .controller import Controller, StepStats
 from .fusion import GroupsPlanner, Planner, Profile, make_planner
 from .fusion.safusion import check_dense_choice
 from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCorrection, check_momentum_groups,
-                       momentum_suspended)
+                       momentum_suspended, to_gradient_scale)
 from .plan import MIN_SELECTED, FusionPlan, TensorInfo, check_plan_across_ranks
 from .profiling import OnlineProfiler
 from .timeline.recorder import TimelineRecorder, make_recorder
@@ -332,6 +332,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller.synchronize(self._launched, len(joining))
         if self._controller.joining[1]:  # some rank adds parameters: every rank checks, then all add
             self._join(joining)
+        if self._momentum_correction:
+            to_gradient_scale(self.param_groups)
         self._reset_delays()
         self._launched.clear()
         self._synchronized = True
@@ -453,7 +455,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._momentum_correction or self._ef21:  # the plugin applied momentum and weight decay
             # before sparsifying; EF21-SGDM's SGD buffer sums the aggregate increments (momentum 1)
-            with momentum_suspended(self.param_groups, momentum=1 if self._ef21 else 0):
+            with momentum_suspended(self.param_groups, momentum=1 if self._ef21 else 0,
+                                    rescaled=self._momentum_correction):
                 loss = super(self.__class__, self).step(closure)
         else:
             loss = super(self.__class__, self).step(closure)
@@ -636,7 +639,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         momentum_correction: DGC's momentum correction and momentum factor masking (Lin et al.,
                ICLR'18): the wrapped ``torch.optim.SGD``'s momentum (and weight decay, and
                Nesterov) is accumulated per worker *before* sparsification, and the SGD then steps
-               without them (its ``param_groups`` keep the values you set, read every step). Needs
+               without them (its ``param_groups`` keep the values you set, read every step);
+               ``synchronize()`` leaves ``(1 − m)`` times the aggregate in ``.grad``, the
+               gradient's scale, and the step runs at ``lr/(1 − m)``, so a clip after
+               ``synchronize()`` bounds what it bounds without the plugin. Needs
                an SGD with ``momentum > 0``; anything else is an error, so momentum is never
                applied twice.
         momentum_masking: with ``momentum_correction``, clear the momentum of the elements a

@@ -35,8 +35,8 @@ def backward(model, step):
 @pytest.mark.parametrize("nesterov,weight_decay", [(False, 0.0), (True, 0.0), (False, 5e-4)])
 def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
     """Per parameter and step: u_t = m·u_{t−1} + g + wd·w, the residual gains u_t (Nesterov:
-    g + wd·w + m·u_t), ``residual_after + sent == residual_before + u_t`` exactly, and u is cleared
-    exactly where the step sent."""
+    g + wd·w + m·u_t), ``residual_after + sent == residual_before + u_t`` exactly, u is cleared
+    exactly where the step sent, and ``.grad`` holds ``(1 − m)·sent`` (the gradient's scale)."""
     model, opt = make(nesterov=nesterov, weight_decay=weight_decay, compressor="topk", density=0.05,
                       momentum_correction=True)
     m = 0.9
@@ -55,10 +55,12 @@ def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
             d = grads[n] if weight_decay == 0 else torch.add(grads[n], weights[n], alpha=weight_decay)
             u = torch.add(d, u_before[n], alpha=m)
             increment = torch.add(d, u, alpha=m) if nesterov else u
-            sent = p.grad.view(-1)
-            after = opt.residuals.get(n, sent)
-            assert torch.equal(after + sent, before[n] + increment), f"{n}: mass lost at step {step}"
-            picked = sent != 0
+            after = opt.residuals.get(n, p.grad.view(-1))
+            picked = p.grad.view(-1) != 0
+            total = before[n] + increment
+            sent = torch.where(picked, total, torch.zeros_like(total))  # what the residual released
+            assert torch.equal(after + sent, total), f"{n}: mass lost at step {step}"
+            assert torch.equal(p.grad.view(-1), sent * (1 - m)), f"{n}: .grad is not (1 − m)·sent"
             u_after = ctl.momentum.momentum(n)
             assert torch.equal(u_after[picked], torch.zeros_like(u_after[picked])), f"{n}: not masked"
             assert torch.equal(u_after[~picked], u[~picked]), f"{n}: momentum changed where nothing was sent"
@@ -125,6 +127,31 @@ def test_taking_over_the_momentum_at_density_1_is_sgd_with_momentum(hvd, nestero
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
     if "momentum_correction" in technique:  # EF21-SGDM's estimate is the SGD's buffer
         assert all(not opt.state[p] for p in model.parameters())  # SGD kept no momentum buffer of its own
+
+
+def test_momentum_correction_leaves_the_gradient_scale_for_a_clip_after_synchronize(hvd):
+    """Horovod's clipping recipe (clip between ``synchronize()`` and ``step()``) under momentum
+    correction: ``.grad`` holds the aggregate momentum times ``1 − m``, so at density 1 the clip
+    bounds what it bounds without the plugin — the norm of the current step's momentum times
+    ``1 − m`` — and a bound above that norm changes nothing: the run stays SGD with momentum."""
+    m = 0.9
+    ref_model, ref = make(compressor="none", fusion="horovod")
+    model, opt = make(compressor="topk", density=1.0, momentum_correction=True)
+    for step in range(4):
+        for mdl, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            backward(mdl, step)
+            o.synchronize()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        momenta = torch.cat([opt._controller.momentum.momentum(n) for n, _ in model.named_parameters()])
+        assert math.isclose(norm, (1 - m) * float(momenta.norm()), rel_tol=1e-5)
+        for o in (ref, opt):
+            with o.skip_synchronize():
+                o.step()
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
+    for g in opt.param_groups:  # the step's lr/(1 − m) is not left behind
+        assert g["lr"] == ref.param_groups[0]["lr"]
 
 
 def test_momentum_correction_needs_sgd_with_momentum(hvd):
