@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 NP     ?= 2
 
 .PHONY: install demo test unit multiproc doctor bench-throughput bench-planners bench-peers bench-convergence bench-tta \
-	bench-scale bench-memory bench-communicators bench-compressors cluster-up cluster-down clean
+	bench-scale bench-memory bench-communicators bench-compressors gpu-check cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-planners: $(STAMP)
 # a cluster on one machine (root): HOSTS network namespaces with their own RATE links and sshd
 HOSTS ?= 4
 RATE  ?= 1gbit
+# on a machine with a CUDA GPU (no install, no Horovod needed): tests/gpu, then the kernels' benchmark
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
 cluster-up: $(STAMP)
 	bash scripts/cluster.sh up $(HOSTS) $(RATE)
 

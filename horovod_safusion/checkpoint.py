@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 from .session import collective
 
@@ -110,7 +109,10 @@ def redistribute(residuals: dict[int, dict[str, torch.Tensor]], old_size: int, n
 
 def gather(obj: Any, name: str, process_set: Any) -> list[Any]:
     """Every rank's ``obj`` (tensors and plain data), in rank order, on every rank of
-    ``process_set`` — ``hvd.allgather_object`` for any process set (Horovod 0.28's takes none)."""
+    ``process_set`` — ``hvd.allgather_object`` for any process set (Horovod 0.28's takes none).
+    Horovod is imported here, not with the module: the compressors' state mixin lives in this
+    module, and the device path runs without Horovod (``tests/gpu`` on a GPU machine)."""
+    import horovod.torch as hvd
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

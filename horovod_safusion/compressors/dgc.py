@@ -20,6 +20,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from ..kernels import to_device
 from .base import register_compressor
 from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
@@ -54,7 +55,7 @@ def _per_draw(values: np.ndarray, counts: np.ndarray, device: torch.device | Non
     (sized on the host: nothing is read back)."""
     if device is None:
         return np.repeat(values, counts)
-    return torch.repeat_interleave(torch.from_numpy(values).to(device), torch.from_numpy(counts).to(device),
+    return torch.repeat_interleave(to_device(values, device), to_device(counts, device),
                                    output_size=int(counts.sum()))
 
 
@@ -150,8 +151,8 @@ class DGC(PeriodicThreshold):
             positions = sample_positions(self.seed, step, _keys(view.segments.names)[s], e, view.segments.offset_array[s],
                                          n[s], ms, view.flat.device)
             groups = torch.repeat_interleave(torch.arange(len(s), device=view.flat.device),
-                                             torch.from_numpy(ms).to(view.flat.device), output_size=int(ms.sum()))
+                                             to_device(ms, view.flat.device), output_size=int(ms.sum()))
             ks = np.ceil(view.density * ms).astype(np.int64)
-            at = torch.from_numpy(s * len(efforts) + e).to(view.flat.device)
+            at = to_device(s * len(efforts) + e, view.flat.device)
             table.view(-1)[at] = view.kth_largest_of(view.flat[positions], groups, ks)
         return table

@@ -93,7 +93,7 @@ class ExDyna(ThresholdCompressor):
         NumPy array or a device tensor)."""
         factors = 1 + self.gamma, 1 + self.gamma / 4, 1 - self.gamma
         if isinstance(exam, torch.Tensor):  # in exam's dtype: a scalar pair would give float32
-            up, nudge, down = (exam.new_tensor(f) for f in factors)
+            up, nudge, down = (torch.full_like(exam, f) for f in factors)  # filled there, not copied over
             return torch.where(exam > self.beta, up, torch.where(exam > 1 / self.beta, nudge, down))
         up, nudge, down = factors
         return np.where(exam > self.beta, up, np.where(exam > 1 / self.beta, nudge, down))

@@ -81,6 +81,7 @@ class GaussianK(ThresholdCompressor):
         low, high = self.band(view.k)
         for _ in range(self.refine_passes):
             counts = view.counts(u)
-            up, down, keep = (u.new_tensor(f) for f in (self.step_up, self.step_down, 1.0))  # float64, as on the host
+            # float64, as on the host; filled on the device (a new_tensor is copied over from the host)
+            up, down, keep = (torch.full_like(u, f) for f in (self.step_up, self.step_down, 1.0))
             u = u * torch.where(counts > high, up, torch.where(counts < low, down, keep))
         return view.propose(u)

@@ -22,6 +22,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..kernels import to_device
 from ..segment import Segments
 from .base import Compressor, register_compressor
 
@@ -48,7 +49,7 @@ class RandomK(Compressor):
         bits = _splitmix64(_splitmix64(key ^ keys[owner]) ^ draw) >> np.uint64(11)  # 53 random bits
         u = bits.astype(np.float64) * 2.0 ** -53  # uniform in [0, 1), exactly
         pos = np.unique((u * segments.size_array[owner]).astype(np.int64) + segments.offset_array[owner])
-        return torch.from_numpy(pos).to(flat.device)
+        return to_device(pos, flat.device)
 
 
 def _splitmix64(x: np.ndarray | np.uint64) -> np.ndarray:

@@ -35,7 +35,7 @@ from .blocks import BlockTable, block_table
 from . import host, reference
 
 __all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "scatter_add", "decode_rows",
-           "uses_triton", "on_host", "paths", "reread", "Paths"]
+           "uses_triton", "on_host", "paths", "reread", "Paths", "to_device"]
 
 CHOICES = ("torch", "triton")
 
@@ -71,6 +71,16 @@ def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` (a buffer, a gradient) takes the host path: CPU float32 or float64, and
     ``HOROVOD_SAFUSION_DEVICE_PATH`` is not ``1``."""
     return host.handles(t) and not paths().device_path
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array as a tensor on ``device`` without making the host wait: on CUDA through
+    pinned memory, non-blocking (a copy from pageable memory waits for the device's stream, as a
+    value read back does); elsewhere an ordinary copy."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def uses_triton(t: torch.Tensor) -> bool:
