@@ -30,9 +30,12 @@ and density in ``--densities`` with DGC's compressor (the default), and the same
 ``--warmup-fraction`` of the run (exponential schedule) and, where the task clips,
 ``local_clipping`` at the same norm instead of the global clip; ``safusion@D+dgc+nomask`` the
 same without masking; ``safusion@0.01/COMPRESSOR`` for every other registered compressor.
-``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``, and
-``+ef21`` (``error_feedback="ef21-sgdm"``). Ours
-always sparsify (``dense=False``), so the comparison is of the sparse algorithms.
+``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``,
+``+ef21`` (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``:
+classic error feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or
+``+classic`` keeps the plugin's default (``momentum_correction="auto"``: DGC's correction without
+masking for this SGD). Ours always sparsify (``dense=False``), so the comparison is of the sparse
+algorithms.
 
 Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
 (excluding evaluation) is kept with each point. The report gives per scheme the median final
@@ -178,7 +181,8 @@ def scheme_keys(args) -> list[str]:
 
 
 TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping",
-              "warmup": "density warm-up", "ef21": "EF21-SGDM error feedback"}
+              "warmup": "density warm-up", "ef21": "EF21-SGDM error feedback",
+              "classic": "classic error feedback under the SGD's momentum"}
 DGC = {"mc", "clip", "warmup"}
 
 
@@ -224,9 +228,12 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
     kw = parse_key(key)
     techniques = kw.pop("techniques")
-    extra = {"momentum_correction": "mc" in techniques, "momentum_masking": "nomask" not in techniques,
-             "warmup_steps": warmup if "warmup" in techniques else 0,
+    extra = {"warmup_steps": warmup if "warmup" in techniques else 0,
              "error_feedback": "ef21-sgdm" if "ef21" in techniques else "classic"}
+    if "mc" in techniques:
+        extra.update(momentum_correction=True, momentum_masking="nomask" not in techniques)
+    elif "classic" in techniques:
+        extra["momentum_correction"] = False
     if getattr(args, "min_selected", None) is not None:
         extra["min_selected"] = args.min_selected
     local = "clip" in techniques and task.clip is not None

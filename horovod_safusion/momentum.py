@@ -92,6 +92,17 @@ def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, s
                              f"construct SGD(..., nesterov=False) or pass {instead}")
 
 
+def takes_over_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``momentum_correction="auto"`` turns DGC's correction on for ``optimizer``: a
+    ``torch.optim.SGD`` with momentum in some group, and none with ``dampening`` or ``maximize``
+    (what :func:`check_momentum_groups` accepts). Classic error feedback lets that SGD apply its
+    momentum to the aggregate, on top of the residual's release, and the steps stay larger than
+    dense's; momentum accumulated before sparsification is applied once."""
+    groups = optimizer.param_groups
+    return (isinstance(optimizer, torch.optim.SGD) and any(g["momentum"] > 0 for g in groups)
+            and all(g.get("dampening", 0) == 0 and not g.get("maximize", False) for g in groups))
+
+
 def to_gradient_scale(groups: Sequence[dict]) -> None:
     """Scale each parameter's aggregate momentum in ``.grad`` by ``1 − m`` of its group, in place.
 

@@ -48,11 +48,11 @@ from .controller import Controller, StepStats
 from .fusion import GroupsPlanner, Planner, Profile, make_planner
 from .fusion.safusion import check_dense_choice
 from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCorrection, check_momentum_groups,
-                       momentum_suspended, to_gradient_scale)
+                       momentum_suspended, takes_over_momentum, to_gradient_scale)
 from .plan import MIN_SELECTED, FusionPlan, TensorInfo, check_plan_across_ranks
 from .profiling import OnlineProfiler
 from .timeline.recorder import TimelineRecorder, make_recorder
-from .density import CANDIDATES, check_auto, is_auto
+from .density import AUTO, CANDIDATES, check_auto, is_auto
 from .warmup import DensityWarmup
 
 DEFAULT_FUSION = "safusion"
@@ -66,13 +66,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, compressor=None, density=None,
                  communicator="auto", fusion=None, profile_steps=10, replan_every=None, timeline=None,
-                 grad_scaler=None, dense=None, momentum_correction=False, momentum_masking=True,
+                 grad_scaler=None, dense=None, momentum_correction=AUTO, momentum_masking=None,
                  local_clipping=None, warmup_steps=0, warmup_schedule="exponential", min_selected=MIN_SELECTED,
                  error_feedback="classic"):
         super(self.__class__, self).__init__(params)
         self._ef21 = _check_error_feedback(error_feedback, momentum_correction)
-        self._momentum_correction = bool(momentum_correction)
-        self._check_momentum()  # an instance of the user's optimizer class, with its groups
         self._compression = compression
         named_parameters = self._named(named_parameters)
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
@@ -101,6 +99,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _set_dense_choice(self._planner, dense)
         check_auto(density)
         comp = make_compressor(_compressor_for(self._planner, compressor), None if is_auto(density) else density)
+        self._momentum_correction = momentum_correction is True or (
+            momentum_correction == AUTO and not self._ef21 and not comp.dense and comp.density < 1.0
+            and comp.auto_momentum_correction and takes_over_momentum(self))
+        self._check_momentum()  # an instance of the user's optimizer class, with its groups
+        if momentum_masking is None:  # DGC's masking where asked for by name; none where chosen here
+            momentum_masking = momentum_correction is True
         densities = _density_candidates(self._planner, comp, density)
         comms = make_communicators(communicator, comp.dense, process_set, compression)
         self._profiler = OnlineProfiler(self._planner, [_tensor_info(n, p) for n, p in self._named_trainable],
@@ -576,8 +580,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          timeline: "str | TimelineRecorder | None" = None,
                          grad_scaler: Any = None,
                          dense: "bool | str | None" = None,
-                         momentum_correction: bool = False,
-                         momentum_masking: bool = True,
+                         momentum_correction: "bool | str" = "auto",
+                         momentum_masking: bool | None = None,
                          local_clipping: float | None = None,
                          warmup_steps: int = 0,
                          warmup_schedule: str = "exponential",
@@ -636,20 +640,24 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                for a few steps when the predictions are close, and keeps the faster (on a fast
                link, or for a small model, a dense allreduce can win); ``True`` always sends
                dense, ``False`` never. Rank 0 says on standard error when it sends dense.
-        momentum_correction: DGC's momentum correction and momentum factor masking (Lin et al.,
-               ICLR'18): the wrapped ``torch.optim.SGD``'s momentum (and weight decay, and
-               Nesterov) is accumulated per worker *before* sparsification, and the SGD then steps
-               without them (its ``param_groups`` keep the values you set, read every step);
-               ``synchronize()`` leaves ``(1 − m)`` times the aggregate in ``.grad``, the
-               gradient's scale, and the step runs at ``lr/(1 − m)``, so a clip after
-               ``synchronize()`` bounds what it bounds without the plugin. Needs
-               an SGD with ``momentum > 0``; anything else is an error, so momentum is never
-               applied twice.
-        momentum_masking: with ``momentum_correction``, clear the momentum of the elements a
-               sparse step sent (DGC's momentum factor masking; default ``True`` as in DGC). An
-               element sent at every step then moves without momentum, which can cost more
-               accuracy than masking saves (see the user guide; docs/benchmarks.md, "How
-               accurate", has the runs).
+        momentum_correction: DGC's momentum correction (Lin et al., ICLR'18, §3.2): the wrapped
+               ``torch.optim.SGD``'s momentum (and weight decay, and Nesterov) is accumulated per
+               worker *before* sparsification, and the SGD then steps without them (its
+               ``param_groups`` keep the values you set, read every step); ``synchronize()``
+               leaves ``(1 − m)`` times the aggregate in ``.grad``, the gradient's scale, and the
+               step runs at ``lr/(1 − m)``, so a clip after ``synchronize()`` bounds what it
+               bounds without the plugin. ``"auto"`` (the default): on for an SGD with momentum
+               (no ``dampening``, no ``maximize``) whose gradients are sparsified, off otherwise
+               (other optimizers, ``compressor="none"`` or ``"exdyna"``, ``error_feedback="ef21-sgdm"``).
+               ``True`` needs an SGD with ``momentum > 0``; anything else is then an error, so
+               momentum is never applied twice. ``False``: classic error feedback under the
+               SGD's own momentum.
+        momentum_masking: with momentum correction, clear the momentum of the elements a sparse
+               step sent (DGC's momentum factor masking, §3.3). Default: on with
+               ``momentum_correction=True`` (as in DGC), off where ``"auto"`` turned the
+               correction on. An element sent at every step then moves without momentum, which
+               can cost more accuracy than masking saves (docs/benchmarks.md, "The early lag",
+               has the runs).
         local_clipping: DGC's local gradient clipping: the global ``max_norm`` you would clip to;
                each worker clips each tensor's gradient to ``max_norm / sqrt(workers)`` before
                error feedback. Default ``None`` (off).
@@ -719,14 +727,16 @@ def DistributedOptimizer(optimizer, named_parameters=None,
 ERROR_FEEDBACK = ("classic", "ef21-sgdm")
 
 
-def _check_error_feedback(error_feedback: Any, momentum_correction: bool) -> bool:
+def _check_error_feedback(error_feedback: Any, momentum_correction: Any) -> bool:
     """Whether ``error_feedback`` asks for EF21-SGDM; a clear ``ValueError`` for anything not in
-    :data:`ERROR_FEEDBACK`, or for EF21-SGDM with DGC's momentum correction (both would take over
-    the same momentum)."""
+    :data:`ERROR_FEEDBACK`, for a ``momentum_correction`` other than True, False and ``"auto"``, or
+    for EF21-SGDM with DGC's momentum correction (both would take over the same momentum)."""
     if error_feedback not in ERROR_FEEDBACK:
         raise ValueError(f"error_feedback must be one of {', '.join(map(repr, ERROR_FEEDBACK))}, "
                          f"got {error_feedback!r}")
-    if error_feedback == "ef21-sgdm" and momentum_correction:
+    if not (momentum_correction is True or momentum_correction is False or momentum_correction == AUTO):
+        raise ValueError(f"momentum_correction must be True, False or {AUTO!r}, got {momentum_correction!r}")
+    if error_feedback == "ef21-sgdm" and momentum_correction is True:
         raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
                          "with momentum_correction=True: pass one of them")
     return error_feedback == "ef21-sgdm"

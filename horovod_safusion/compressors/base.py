@@ -41,6 +41,9 @@ class Compressor(Stateful, ABC):
             and :meth:`propose`, and nobody writes this one.
         dense: ``True`` for compressors that always keep every element; the controller then
             skips selection and the default communicator becomes a dense allreduce.
+        auto_momentum_correction: whether ``momentum_correction="auto"`` takes over an SGD's
+            momentum under this compressor (DGC §3.2, without masking); ``False`` keeps classic
+            error feedback, as a compressor's paper ran it where the correction does not suit it.
         state_fields: the attributes that change from step to step (thresholds, estimation steps):
             the optimizer's ``state_dict()`` carries them, so a resumed job selects exactly as an
             uninterrupted one.
@@ -48,6 +51,7 @@ class Compressor(Stateful, ABC):
 
     name: ClassVar[str] = "?"
     dense: ClassVar[bool] = False
+    auto_momentum_correction: ClassVar[bool] = True
 
     def __init__(self, density: float = 0.01) -> None:
         self.density = check_density(density)

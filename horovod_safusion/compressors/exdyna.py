@@ -58,6 +58,11 @@ class ExDyna(ThresholdCompressor):
     """
 
     state_fields = ("_threshold",)
+    #: ExDyna runs classic error feedback (its paper's); under ``momentum_correction="auto"`` it
+    #: stays so. Its threshold follows the counts the residual produces from step to step, and an
+    #: element held back by the exclusive partitions is released in a burst that an unmasked
+    #: momentum carries on (docs/benchmarks.md, "The early lag").
+    auto_momentum_correction = False
 
     def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.01,
                  relative: bool = True) -> None:

@@ -102,9 +102,13 @@ def data(step, n=16, nan=False, seed=0):
 
 
 def build(comp, comm, seed=0, **kw):
+    """Classic error feedback unless ``kw`` says otherwise: the scenarios check its conservation
+    element by element against the gradient (momentum correction's is checked by
+    ``test_dgc_techniques`` and the frozen scenario's ``momentum_correction`` variant)."""
     torch.manual_seed(seed)
     model = Net()
     kw.setdefault("profile_steps", 2)
+    kw.setdefault("momentum_correction", False)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compressor=comp,
                                    communicator=comm, **kw, dense=False, min_selected=0)
@@ -319,7 +323,8 @@ FROZEN_VARIANTS = {  # label: (SGD momentum, DistributedOptimizer keywords)
     "default": (0.0, {}),
     "default+momentum": (0.9, {}),
     "sparse": (0.0, {"dense": False}),
-    "sparse+momentum": (0.9, {"dense": False}),
+    "sparse+momentum": (0.9, {"dense": False}),  # momentum correction, as momentum_correction="auto" chooses
+    "classic+momentum": (0.9, {"dense": False, "momentum_correction": False}),
     "dense+momentum": (0.9, {"dense": True}),
     "momentum_correction": (0.9, {"dense": False, "momentum_correction": True}),
     "topk+spardl": (0.9, {"dense": False, "compressor": "topk", "communicator": "spardl"}),
@@ -384,7 +389,7 @@ def frozen_runs(labels):
                                                    if not torch.equal(momentum_of(opt, n, p), moment[n])]
             if step == UNFREEZE:  # what was kept while frozen joins this step's gradient
                 rec["unfrozen_used"] = max(float(before[n].abs().sum()) for n, _ in frozen)
-            if "momentum_correction" in kw:
+            if opt._controller.momentum is not None:
                 continue  # the residual accumulates momentum, not gradients: conservation is tested elsewhere
             sent = torch.cat([acc[n] - residual_of(opt, n, p) for n, p in named]).double()
             total = hvd.allreduce(sent, op=hvd.Sum, name=f"frozen.{label}.{step}")

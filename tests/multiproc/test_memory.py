@@ -5,7 +5,8 @@ user picks from (the default, ``dense=False``, each communicator, momentum corre
 switch to the profiled plan, and walks the optimizer's objects for the distinct tensor storages
 they hold (:func:`horovod_safusion.memory.held`). Error feedback needs one residual per gradient
 element; the plugin may hold that and a quarter more (index scratch, wire rows, the profile), plus
-one more with momentum correction (DGC's momentum ``u``). The walk after every step bounds the
+one more where the plugin keeps the momentum ``u`` (momentum correction, on by default for this
+SGD with momentum; EF21-SGDM). The walk after every step bounds the
 peak too (the sweeps and the switch). Over 300 further steps the resident memory must not grow
 by 1 % of the model: nothing leaks. The resident peak of each configuration, against that of
 ``hvd.DistributedOptimizer`` trained the same way, bounds what the walk cannot see: transients
@@ -28,7 +29,8 @@ SMALL = 1 << 20  # bytes: the small constant (per-segment state, thresholds, the
 
 CONFIGS = ["default", "dense=False", "allgather", "allreduce", "spardl", "zen", "exdyna", "momentum_correction",
            "ef21-sgdm"]
-TAKES_MOMENTUM = ("momentum_correction", "ef21-sgdm")
+TAKES_MOMENTUM = ("default", "dense=False", "allgather", "allreduce", "spardl", "zen", "momentum_correction",
+                  "ef21-sgdm")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
 
 pytestmark = pytest.mark.multiproc
 
@@ -53,6 +55,7 @@ def test_the_plugin_holds_what_error_feedback_needs(records, config):
     for rec in records:
         r = rec[config]
         model = r["model_bytes"]
+        assert r["takes_momentum"] == (config in TAKES_MOMENTUM), (config, r)
         extra = MOMENTUM * model if config in TAKES_MOMENTUM else 0.0
         assert r["held"] <= STEADY * model + extra + SMALL, (config, r)
         assert r["peak_held"] <= PEAK * model + extra + SMALL, (config, r)

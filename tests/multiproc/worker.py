@@ -226,10 +226,10 @@ def scenario_density_choice():
     import copy
     import io
 
-    def auto(m):
+    def auto(m):  # classic error feedback: the density switches below check its conservation
         return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                         named_parameters=m.named_parameters(), density="auto", dense=False,
-                                        profile_steps=2)
+                                        profile_steps=2, momentum_correction=False)
 
     def train(m, opt, steps, first):
         for step in range(first, first + steps):

@@ -242,3 +242,37 @@ def test_warmup_sends_more_then_the_target(hvd, schedule):
             assert seen[-1] == 1.0 and not any(r.abs().sum() for r in opt.residuals.state_dict().values())
     assert seen[-1] < 0.02 and opt.compressor.density == 0.01
     assert opt.state_dict()["safusion"]["density"] == 0.01
+
+
+@pytest.mark.parametrize("build,on,masking", [
+    (dict(compressor="dgc", density=0.05), True, False),  # SGD with momentum, sparse: on, no masking
+    (dict(compressor="dgc", density=0.05, momentum_correction=True), True, True),  # DGC's masking
+    (dict(compressor="dgc", density=0.05, momentum_correction=True, momentum_masking=False), True, False),
+    (dict(compressor="dgc", density=0.05, momentum_masking=True), True, True),
+    (dict(compressor="dgc", density=0.05, momentum_correction=False), False, None),
+    (dict(compressor="dgc", density=1.0), False, None),  # nothing waits
+    (dict(compressor="exdyna", density=0.05), False, None),  # ExDyna keeps its paper's error feedback
+    (dict(compressor="none", fusion="horovod"), False, None),
+    (dict(compressor="dgc", density=0.05, error_feedback="ef21-sgdm"), False, None),
+    (dict(compressor="dgc", density=0.05, momentum=0.0), False, None),
+])
+def test_momentum_correction_auto_is_on_for_sgd_with_momentum_and_sparse_gradients(hvd, build, on, masking):
+    kw = dict(build)
+    model, opt = make(momentum=kw.pop("momentum", 0.9), **kw)
+    assert opt._momentum_correction is on
+    momentum = opt._controller.momentum
+    if on:
+        assert momentum.masking is masking
+    elif "error_feedback" not in build:
+        assert momentum is None
+
+
+def test_momentum_correction_auto_leaves_other_optimizers_alone_and_rejects_bad_values(hvd):
+    torch.manual_seed(0)
+    model = DigitsCNN(width=4)
+    opt = saf.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+                                   compressor="dgc", density=0.05)
+    assert opt._momentum_correction is False and opt._controller.momentum is None
+    with pytest.raises(ValueError, match=r"momentum_correction must be True, False or 'auto', got 'on'"):
+        saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=model.named_parameters(), momentum_correction="on")

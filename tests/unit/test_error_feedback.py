@@ -83,7 +83,7 @@ def test_dense_compressor_sends_the_gradient_unchanged(hvd):
 @pytest.mark.parametrize("path", ["host", "torch", "triton"])
 def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, paths):
     """A conv layer frozen at step 2 and unfrozen at step 5, and a step() without backward at step
-    3 (SGD with momentum): what got no gradient moves by nothing and keeps its residual bit for
+    3 (SGD with momentum, classic error feedback): what got no gradient moves by nothing and keeps its residual bit for
     bit, and the kept residual joins the gradient once the layer is unfrozen —
     ``residual_after + sent == residual_before + grad`` exactly, every parameter, every step (one
     worker: what is sent arrives unscaled), on the host path and on the device path."""
@@ -96,7 +96,7 @@ def test_a_frozen_layer_keeps_its_residual_and_moves_by_nothing(hvd, path, paths
     model = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(), min_selected=0, compressor="dgc", density=0.05,
-                                   fusion=NaivePlanner(capacity_bytes=4096))
+                                   fusion=NaivePlanner(capacity_bytes=4096), momentum_correction=False)
     named = dict(model.named_parameters())
     frozen = [n for n in named if n.startswith("features.3.")]
     for step in range(6):
