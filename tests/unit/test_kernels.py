@@ -121,6 +121,19 @@ def test_fused_statistics_count_the_residual_where_the_gradient_was_dropped():
     assert float(mx.max()) == float(ref_max[0]) == 0.5 and float(sm.sum()) == float(ref_sum[0]) == 0.75
 
 
+def fused_residual_case(g: torch.Tensor, scale: float):
+    """``(r, s, expected, bad)`` for error feedback fused into the statistics: a finite residual
+    ``r`` made from ``g``, the scale as a tensor, ``x = g + s · r`` computed wide and rounded once
+    (as the kernel does) with a non-finite gradient element dropped, and how many were dropped."""
+    r = torch.nan_to_num(torch.flip(g, [0]), nan=0.5, posinf=1.0, neginf=-1.0)  # residuals are finite
+    s = torch.tensor(scale, dtype=g.dtype)
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    gw = g.to(wide)
+    x = torch.where(torch.isfinite(gw), gw, 0) + r.to(wide) * s.to(wide)
+    bad = int((~torch.isfinite(gw) | ~torch.isfinite(x)).sum())
+    return r, s, torch.where(torch.isfinite(x), x, 0).to(g.dtype), bad
+
+
 @SETTINGS
 @given(case=buffers(), scale=st.floats(0.25, 4.0))
 def test_fused_residual_add_and_statistics(case, scale):
@@ -128,13 +141,8 @@ def test_fused_residual_add_and_statistics(case, scale):
     element dropped: ``x = scale · r`` there, counted), its statistics taken; the same in place
     (the residual is the buffer itself) and in the PyTorch reference."""
     g, _, table, _ = case
-    r = torch.nan_to_num(torch.flip(g, [0]), nan=0.5, posinf=1.0, neginf=-1.0)  # residuals are finite
-    s = torch.tensor(scale, dtype=g.dtype)
+    r, s, expected, bad = fused_residual_case(g, scale)
     wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-    gw = g.to(wide)
-    x = torch.where(torch.isfinite(gw), gw, 0) + r.to(wide) * s.to(wide)
-    bad = int((~torch.isfinite(gw) | ~torch.isfinite(x)).sum())
-    expected = torch.where(torch.isfinite(x), x, 0).to(g.dtype)  # rounded once, as the kernel does
     out = torch.empty_like(g)
     mx, sm, dropped = triton_ops.segment_stats(out, table, grad=g, residual=r, scale=s)
     torch.testing.assert_close(out, expected)
