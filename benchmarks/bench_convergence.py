@@ -334,7 +334,7 @@ class Diagnostics:
     * ``momentum_norm``: RMS over ranks of the norm of the momentum the run holds: the wrapped
       SGD's ``momentum_buffer`` s (equal on every rank), or, with ``momentum_correction=True``,
       the plugin's local momentum ``u`` (per rank, of local gradients; read through
-      ``opt._controller.momentum``, no public attribute has it). ``None`` where neither exists.
+      ``opt.local_momentum``). ``None`` where neither exists.
     * ours only (an optimizer with ``residuals``), over the parameters that hold an error-feedback
       residual (those in the dense buffer of ``min_selected`` hold none and are left out):
       ``residual_norm`` (RMS over ranks of ``‖r‖``), ``residual_ratio`` (``residual_norm /
@@ -356,7 +356,7 @@ class Diagnostics:
         self.opt, self.size = opt, size
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.store = getattr(opt, "residuals", None)  # ours: names are model.named_parameters()'s
-        self.mc = getattr(getattr(opt, "_controller", None), "momentum", None) if self.store is not None else None
+        self.mc = getattr(opt, "local_momentum", None)
         self.grad_sq, self.grads, self.tensor_sq = 0.0, {}, {}
         self.age: dict[str, torch.Tensor] = {}
         self.prev: dict[str, torch.Tensor] = {}    # r after the last step

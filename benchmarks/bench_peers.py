@@ -128,7 +128,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import INTERFACE, LOOPBACK, check_link, cluster, launchers, limited_link  # noqa: E402
+from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link  # noqa: E402
 
 PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
@@ -547,30 +547,6 @@ def launch(job: Job, cmds: list[list[str]]) -> None:
         log.flush()
         job.procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                      for cmd in cmds]
-
-
-def kill_tree(procs: list[subprocess.Popen], pids: list[int]) -> None:
-    """Kill the launchers, everything they started (Horovod puts its workers in sessions of their
-    own) and the worker ``pids``; stopped processes die too."""
-    import psutil
-
-    kids = []
-    for proc in procs:
-        try:
-            kids += psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for pid in {*pids, *(k.pid for k in kids)}:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for proc in procs:
-        proc.wait()
 
 
 #: A worker's own error (an exception, Gloo's abort), then what a launcher says of a worker's end.

@@ -42,6 +42,7 @@ iproute2 for a rate-limited link (``loopback`` runs without).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -52,7 +53,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import check_link, cluster, launchers, limited_link  # noqa: E402
+from links import check_link, cluster, kill_tree, launchers, limited_link  # noqa: E402
 
 HOROVOD = ("horovod", "horovod-fp16")
 TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
@@ -105,7 +106,7 @@ def chosen(opt) -> dict:
     if plan is None or not hasattr(plan, "density"):
         return {}
     return {"density": plan.density, "dense": plan.dense, "communicator": opt.communicator.name,
-            "target_density": opt._controller.target_density}
+            "target_density": opt.target_density}
 
 
 def worker(args) -> None:
@@ -123,6 +124,8 @@ def worker(args) -> None:
         hvd.init()
         rank, size, leave = hvd.rank(), hvd.size(), hvd.shutdown
     torch.set_num_threads(1)
+    with open(f"{args.result}.pid{rank}", "w") as f:  # for the driver: a worker reached over ssh is no child of its
+        f.write(str(os.getpid()))
     task = TASKS[args.model](args, rank, size)
     model, opt, clip = build(args.scheme, task, task.steps_per_epoch() * task.epochs, args)
     t0 = time.perf_counter()
@@ -150,20 +153,30 @@ def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
     """Run one job (its commands side by side); its result, or a record of why it failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "w") as f:
-        procs = [subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env) for cmd in cmds]
+        procs = [subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                 for cmd in cmds]
         try:
             codes = [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired:  # a hang: the launchers and their workers go
-            for p in procs:
-                p.kill()
-            subprocess.run(["pkill", "-KILL", "-f", result], check=False)
-            codes = [p.wait() for p in procs]
+        except subprocess.TimeoutExpired:  # a hang: the launchers, what they started and the workers go
+            kill_tree(procs, worker_pids(result))
+            codes = [p.returncode for p in procs]
             f.write(f"\n*** killed after {JOB_TIMEOUT_S} s: a hang ***\n")
+    for name in glob.glob(f"{glob.escape(result)}.pid*"):
+        os.remove(name)
     if not any(codes) and os.path.exists(result):
         with open(result) as f:
             return json.load(f)
     with open(log) as f:
         return {"failed": f"exit {max(codes, key=abs)}: " + f.read()[-600:]}
+
+
+def worker_pids(result: str) -> list[int]:
+    """The pids the job's workers wrote beside ``result``."""
+    pids = []
+    for name in glob.glob(f"{glob.escape(result)}.pid*"):
+        with open(name) as f:
+            pids.append(int(f.read()))
+    return pids
 
 
 def reached(run: dict, target: float, higher: bool) -> dict | None:

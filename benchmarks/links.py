@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
+from typing import Iterable
 
 LOOPBACK = "loopback"
 NAMESPACE = "safbench"  # a limited link's namespace: NAMESPACE<pid>x<n>
@@ -144,6 +145,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_tree(procs: list[subprocess.Popen], pids: Iterable[int] = ()) -> None:
+    """Kill the launchers (started with ``start_new_session=True``), everything they started
+    (Horovod puts its workers in sessions of their own) and the worker ``pids`` (workers reached
+    over ssh are no launcher's children); stopped processes die too."""
+    import psutil
+
+    kids = []
+    for proc in procs:
+        try:
+            kids += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in {*pids, *(k.pid for k in kids)}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.wait()
 
 
 def launchers(worker_cmd: list[str], torchrun: bool, np_: int, hosts: int, prefix: list[str]) -> list[list[str]]:

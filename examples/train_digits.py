@@ -67,7 +67,7 @@ def train(scheme: str, args, data) -> dict:
                             name=f"time.{scheme}").tolist()
     if scheme != "horovod":
         plan = optimizer.plan
-        scheme += " (sent dense)" if plan.dense else f" ({args.compressor}@{optimizer._controller.target_density:g})"
+        scheme += " (sent dense)" if plan.dense else f" ({args.compressor}@{optimizer.target_density:g})"
     return {"scheme": scheme, "acc": curve[-1][1], "curve": list(zip(seconds, [a for _, a in curve])),
             "samples_per_s": steps * args.batch_size * hvd.size() / seconds[-1],
             "bytes_per_step": sent / steps}

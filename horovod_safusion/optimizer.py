@@ -247,6 +247,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The per-parameter error-feedback store."""
         return self._controller.residuals
 
+    @property
+    def target_density(self) -> float:
+        """The density selected at once any warm-up is over: ``density=`` as given, the one the
+        plan chose under ``density="auto"``, or 1 for a dense compressor."""
+        return self._controller.target_density
+
+    @property
+    def local_momentum(self) -> MomentumCorrection | None:
+        """The local momentum ``u`` per parameter (``momentum(name)``), where the optimizer keeps
+        it in place of the wrapped SGD's buffer (DGC's momentum correction, EF21-SGDM); ``None``
+        where the wrapped optimizer keeps its own."""
+        return self._controller.momentum
+
     # ---- Horovod's contract -------------------------------------------------------------------
     def load_state_dict(self, *args, **kwargs):
         """Torch's ``load_state_dict`` plus horovod-safusion's state (see :meth:`state_dict`).

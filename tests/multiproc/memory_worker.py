@@ -113,7 +113,7 @@ def run_config(kwargs: dict, leak: bool) -> dict:
     out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0], "peak_rise": peak_rise,
            "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner, "dense": opt.plan.dense,
            "buffers": len(opt.plan.buffers), "settled_at": step,
-           "takes_momentum": opt._controller.momentum is not None}  # u: DGC's correction or EF21-SGDM
+           "takes_momentum": opt.local_momentum is not None}  # u: DGC's correction or EF21-SGDM
     if leak:
         step = train(opt, model, 20, step)  # allocator and caches warm
         samples = []

@@ -389,7 +389,7 @@ def frozen_runs(labels):
                                                    if not torch.equal(momentum_of(opt, n, p), moment[n])]
             if step == UNFREEZE:  # what was kept while frozen joins this step's gradient
                 rec["unfrozen_used"] = max(float(before[n].abs().sum()) for n, _ in frozen)
-            if opt._controller.momentum is not None:
+            if opt.local_momentum is not None:
                 continue  # the residual accumulates momentum, not gradients: conservation is tested elsewhere
             sent = torch.cat([acc[n] - residual_of(opt, n, p) for n, p in named]).double()
             total = hvd.allreduce(sent, op=hvd.Sum, name=f"frozen.{label}.{step}")

@@ -243,7 +243,7 @@ def scenario_density_choice():
     train(m, opt, TRIAL_LENGTH, 0)  # warm-up, profile, and the trial's blocks
     plan = opt.plan
     out = {"priced": sorted(opt.profile.densities), "settled": opt.settled, "density": plan.density,
-           "dense": plan.dense, "target": opt._controller.target_density}
+           "dense": plan.dense, "target": opt.target_density}
     # a checkpoint after the choice: the next steps, and the same steps resumed in a fresh optimizer
     buf = io.BytesIO()
     torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)

@@ -143,7 +143,7 @@ def test_momentum_correction_leaves_the_gradient_scale_for_a_clip_after_synchron
             backward(mdl, step)
             o.synchronize()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
-        momenta = torch.cat([opt._controller.momentum.momentum(n) for n, _ in model.named_parameters()])
+        momenta = torch.cat([opt.local_momentum.momentum(n) for n, _ in model.named_parameters()])
         assert math.isclose(norm, (1 - m) * float(momenta.norm()), rel_tol=1e-5)
         for o in (ref, opt):
             with o.skip_synchronize():
@@ -184,7 +184,7 @@ def test_momentum_survives_a_new_plan_and_a_checkpoint(hvd):
     model2, opt2 = make(compressor="dgc", density=0.05, momentum_correction=True)
     opt2.load_state_dict(state)
     for n, u in momenta.items():
-        assert torch.equal(opt2._controller.momentum.momentum(n), u)
+        assert torch.equal(opt2.local_momentum.momentum(n), u)
 
 
 def test_local_clipping_bounds_each_tensor(hvd):
@@ -260,7 +260,7 @@ def test_momentum_correction_auto_is_on_for_sgd_with_momentum_and_sparse_gradien
     kw = dict(build)
     model, opt = make(momentum=kw.pop("momentum", 0.9), **kw)
     assert opt._momentum_correction is on
-    momentum = opt._controller.momentum
+    momentum = opt.local_momentum
     if on:
         assert momentum.masking is masking
     elif "error_feedback" not in build:
@@ -272,7 +272,7 @@ def test_momentum_correction_auto_leaves_other_optimizers_alone_and_rejects_bad_
     model = DigitsCNN(width=4)
     opt = saf.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
                                    compressor="dgc", density=0.05)
-    assert opt._momentum_correction is False and opt._controller.momentum is None
+    assert opt._momentum_correction is False and opt.local_momentum is None
     with pytest.raises(ValueError, match=r"momentum_correction must be True, False or 'auto', got 'on'"):
         saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), momentum_correction="on")
