@@ -30,13 +30,13 @@ Rank 0 says once what was chosen, with the predicted (and measured) times.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import numpy as np
 import torch
 import horovod.torch as hvd
 
+from .announce import announce
 from .density import MARGIN, density_of, preferred
 from .plan import FusionPlan
 from .session import collective
@@ -76,12 +76,6 @@ def predicted(plan: FusionPlan, chosen: dict) -> float:
     meta is ``chosen``) compared."""
     key = "predicted_dense_s" if plan.dense else "predicted_sparse_s"  # a plan of an older version
     return float(plan.meta.get("predicted_iteration_s", chosen.get(key, float("nan"))))
-
-
-def announce(text: str) -> None:
-    """One line on rank 0's standard error."""
-    if hvd.rank() == 0:
-        print(f"horovod_safusion: {text}", file=sys.stderr, flush=True)
 
 
 class DenseTrial:

@@ -1,26 +1,19 @@
-"""Point-to-point rounds of the sparse collectives, on Horovod's ``alltoall`` with splits.
+"""What the point-to-point protocols' rounds carry, and what a worker holds between rounds.
 
 SparDL's Spar-Reduce-Scatter and Bruck all-gather (SparDL §3.1), ZEN's push (ZEN §3.2) and
-Hierarchical Centralization (ZEN §2.3) are rounds of point-to-point messages of different sizes.
-Each round here is one ``hvd.alltoall`` whose ``splits`` give, per destination rank, how many
-wire rows go there (zero for ranks this rank does not talk to in that round). That keeps every
-exchange a named Horovod collective — Gloo, MPI and NCCL alike, with Horovod's own negotiation —
-and every rank submits the same rounds in the same order, whatever it sends. (mpi4py would give
-true send/recv only under ``--mpi`` and would bypass Horovod's background thread; one ``alltoall``
-with one nonzero split costs the same bytes on the wire.)
-
-Messages are :mod:`horovod_safusion.wire` rows ``[value bytes | int32 index bits]`` with the
-values passed through Horovod's wire compression (``hvd.Compression.fp16`` halves them).
+Hierarchical Centralization (ZEN §2.3) exchange, round by round, messages of different sizes
+(:mod:`.rounds` carries them). A message is :mod:`horovod_safusion.wire` rows ``[value bytes |
+int32 index bits]`` with the values passed through Horovod's wire compression
+(``hvd.Compression.fp16`` halves them) (:class:`RowCodec`); a worker holds what it has merged so
+far as a sparse sum (:class:`SparseSum`).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-import horovod.torch as hvd
 
 from .. import wire
-from .base import wait
 
 
 class RowCodec:
@@ -56,40 +49,6 @@ class RowCodec:
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.zeros((0, self.row_bytes), dtype=torch.uint8, device=device)
-
-
-class Exchange:
-    """One started point-to-point round: ``wait()`` returns the received rows split per source.
-
-    Attributes:
-        bytes_sent: bytes this rank sends to other ranks in the round.
-    """
-
-    def __init__(self, parts: Sequence[torch.Tensor], name: str, process_set: Any) -> None:
-        me = process_set.rank()
-        splits = torch.tensor([p.shape[0] for p in parts], dtype=torch.int32)
-        self.bytes_sent = sum(p.numel() for r, p in enumerate(parts) if r != me)
-        self._me = me
-        self._handle = hvd.alltoall_async(torch.cat(list(parts)), splits=splits, name=name,
-                                          process_set=process_set)
-        self._result: list[torch.Tensor] | None = None
-
-    def wait(self) -> list[torch.Tensor]:
-        """Rows received from each rank (rank order; one's own part comes back to itself)."""
-        if self._result is None:
-            rows, received = wait(self._handle)
-            self._result = list(torch.split(rows, received.tolist()))
-        return self._result
-
-    @property
-    def bytes_received(self) -> int:
-        """Bytes received from other ranks (after :meth:`wait`)."""
-        return sum(p.numel() for r, p in enumerate(self.wait()) if r != self._me)
-
-
-def send_to(rows: torch.Tensor, dest: int, size: int, empty: torch.Tensor) -> list[torch.Tensor]:
-    """Per-destination parts that send ``rows`` to ``dest`` only."""
-    return [rows if r == dest else empty for r in range(size)]
 
 
 class SparseSum:

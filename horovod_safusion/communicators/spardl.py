@@ -48,9 +48,9 @@ import math
 import torch
 import horovod.torch as hvd
 
-from ..session import collective
-from .base import Communicator, Outgoing, Pending, Reduction, register_communicator
-from .p2p import Exchange, RowCodec, SparseSum, send_to
+from .base import Outgoing, Pending, Reduction, register_communicator
+from .p2p import RowCodec, SparseSum
+from .rounds import Round, RoundsCommunicator
 
 
 def srs_steps(size: int) -> list[tuple[int, int, int]]:
@@ -78,18 +78,20 @@ def block_bounds(numel: int, size: int) -> list[int]:
 
 
 @register_communicator("spardl")
-class SparDL(Communicator):
+class SparDL(RoundsCommunicator):
     """SparDL: Spar-Reduce-Scatter (any P) + Bruck all-gather, residuals kept globally.
 
     Args:
         teams: d, the number of teams (must divide the worker count); 1 is plain SparDL, more use
             R-SAG (d a power of two) or B-SAG (otherwise) between the teams.
+        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``.
     """
 
     state_fields = ("h_state", "numels")  # carried by the optimizer's state_dict()
 
-    def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1) -> None:
-        super().__init__(process_set, compression)
+    def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1,
+                 rounds: str = "auto") -> None:
+        super().__init__(process_set, compression, rounds=rounds)
         if not isinstance(teams, int) or teams < 1:
             raise ValueError(f"teams must be a positive integer, got {teams!r}")
         self.teams = teams
@@ -97,6 +99,7 @@ class SparDL(Communicator):
 
     def setup(self, compressor) -> None:
         self._check(self.process_set.size())
+        super().setup(compressor)
 
     def _check(self, size: int) -> None:
         if size % self.teams:
@@ -188,19 +191,23 @@ class _SparDLRun:
         idx, values = self.held.take([self._span(j) for j in blocks])
         return self.codec.encode(values, idx)
 
-    def _send_step(self, i: int) -> Exchange:
+    def _round(self, rows: torch.Tensor, dest: int, src: int, label: str) -> Round:
+        """Send ``rows`` to rank ``dest`` and receive from rank ``src`` in one round."""
+        ex = self.comm.start_round({dest: rows}, [src], f"saf.spardl.{self.tag}.{label}", self.codec.empty(self.device))
+        self.bytes_sent += ex.bytes_sent
+        return ex
+
+    def _send_step(self, i: int) -> Round:
         dist, first, stop = self.steps[i]
         blocks = [(self.me + rel) % self.team_size for rel in range(first, stop)]
         for j in blocks:  # sparsify only the blocks sent next (SparDL §3.1, "Optimization for SRS")
             self._keep_top(j, self.budget[j])
-        parts = send_to(self._take(blocks), self.team_ranks[(self.me + dist) % self.team_size], self.world,
-                        self.codec.empty(self.device))
-        ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.srs{i}"), self.ps)
-        self.bytes_sent += ex.bytes_sent
-        return ex
+        return self._round(self._take(blocks), self.team_ranks[(self.me + dist) % self.team_size],
+                           self.team_ranks[(self.me - dist) % self.team_size], f"srs{i}")
 
-    def _receive(self, ex: Exchange) -> list[torch.Tensor]:
-        got = ex.wait()
+    def _receive(self, ex: Round) -> torch.Tensor:
+        """The rows of a round's one source."""
+        got, = ex.wait()
         self.bytes_received += ex.bytes_received
         return got
 
@@ -208,7 +215,7 @@ class _SparDLRun:
         for i in range(len(self.steps)):
             if i > 0:
                 self._exchange = self._send_step(i)
-            values, indices = self.codec.decode(torch.cat(self._receive(self._exchange)))
+            values, indices = self.codec.decode(self._receive(self._exchange))
             self.held.merge(indices, values)  # equal indices add up
         self._keep_top(self.me, self.budget[self.me])  # end of procedure: the preserved block (Alg. 1 l. 10)
         if self.d > 1:
@@ -242,9 +249,7 @@ class _SparDLRun:
         return self.codec.round(values), idx, budget
 
     def _cross(self, rows: torch.Tensor, dest: int, src: int, label: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        ex = Exchange(send_to(rows, dest, self.world, self.codec.empty(self.device)), collective(f"saf.spardl.{self.tag}.{label}"), self.ps)
-        self.bytes_sent += ex.bytes_sent
-        return self._unframe(self._receive(ex)[src])
+        return self._unframe(self._receive(self._round(rows, dest, src, label)))
 
     def _add(self, blocks: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:
         """Add blocks (in the given order) into the held values; their agreed budget L."""
@@ -289,11 +294,9 @@ class _SparDLRun:
     def _bruck(self, own: torch.Tensor) -> list[torch.Tensor]:
         collected = [own]  # blocks me, me + 1, ... in order
         for t, (dist, blocks) in enumerate(bruck_steps(self.team_size)):
-            rows = torch.cat(collected[:blocks])
-            parts = send_to(rows, self.team_ranks[(self.me - dist) % self.team_size], self.world, self.codec.empty(self.device))
-            ex = Exchange(parts, collective(f"saf.spardl.{self.tag}.bruck{t}"), self.ps)
-            self.bytes_sent += ex.bytes_sent
-            got = self._receive(ex)[self.team_ranks[(self.me + dist) % self.team_size]]
+            ex = self._round(torch.cat(collected[:blocks]), self.team_ranks[(self.me - dist) % self.team_size],
+                             self.team_ranks[(self.me + dist) % self.team_size], f"bruck{t}")
+            got = self._receive(ex)
             collected.extend(self._split_blocks(got, (self.me + dist) % self.team_size, blocks))
         return collected
 

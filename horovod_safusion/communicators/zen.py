@@ -37,14 +37,15 @@ import horovod.torch as hvd
 
 from ..session import collective
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
-from .p2p import Exchange, RowCodec, SparseSum, send_to
+from .p2p import RowCodec, SparseSum
+from .rounds import Round, RoundsCommunicator
 from .zen_hash import AffinePartition, bitmap_decode, bitmap_encode, hash_family, hierarchical_hash
 
 SCHEMES = ("auto", "bp", "hc")
 
 
 @register_communicator("zen")
-class Zen(Communicator):
+class Zen(RoundsCommunicator):
     """ZEN's sparse synchronisation.
 
     Args:
@@ -56,14 +57,15 @@ class Zen(Communicator):
             (the paper's r1 = 2·|G|·d_G; the serial area r2 = r1 / 10).
         hash_slots: a fixed r1 instead (tests force collisions with a tiny one).
         seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
+        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``.
     """
 
     state_fields = ("seed", "choice", "gamma_stats", "_measured", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
                  choice_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
-                 seed: int | None = None) -> None:
-        super().__init__(process_set, compression)
+                 seed: int | None = None, rounds: str = "auto") -> None:
+        super().__init__(process_set, compression, rounds=rounds)
         if scheme not in SCHEMES:
             raise ValueError(f"unknown ZEN scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}")
         if not isinstance(choice_steps, int) or choice_steps < 1:
@@ -85,6 +87,7 @@ class Zen(Communicator):
         if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all
             self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name=collective("saf.zen.seed"),
                                              process_set=self.process_set)
+        super().setup(compressor)
 
     def scheme_for(self, tag: str) -> str:
         """The scheme the buffer ``tag`` uses next."""
@@ -161,7 +164,7 @@ class _BalancedParallelism(_Run):
         self.serial, self.overflow = sum(hashed.serial), hashed.overflow
         parts = [self.codec.encode(self.values[pos], self.indices[pos]) for pos in hashed.positions]
         self.push_counts = [int(pos.numel()) for pos in hashed.positions]
-        self.push = Exchange(parts, collective(f"saf.zen.{self.tag}.push"), self.ps)
+        self.push = comm.start_round(dict(enumerate(parts)), range(n), f"saf.zen.{self.tag}.push", self.codec.empty(self.device))
         self.bytes_sent += self.push.bytes_sent
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
@@ -214,17 +217,20 @@ class _HierarchicalCentralization(_Run):
         self.received: list[int] = []
         # stage 0: fold the workers beyond the largest power of two into the first ones
         dest = self.me - self.pow2 if self.me >= self.pow2 else self.me
-        self.exchange = self._send(dest, "fold")
+        self.exchange = self._send(dest, self.me + self.pow2 if self.me + self.pow2 < n else self.me, "fold")
         self.pending = Pending(self._collect, self._decode, self.bytes_sent)
 
-    def _send(self, dest: int, label: str) -> Exchange:
-        rows = self.codec.encode(self.acc.values, self.acc.indices) if dest != self.me else self.codec.empty(self.device)
-        ex = Exchange(send_to(rows, dest, self.size, self.codec.empty(self.device)), collective(f"saf.zen.{self.tag}.{label}"), self.ps)
+    def _send(self, dest: int, src: int, label: str) -> Round:
+        """A round that sends what is held to ``dest`` and receives from ``src`` (either is this
+        rank itself where it sends or receives nothing)."""
+        sends = {dest: self.codec.encode(self.acc.values, self.acc.indices)} if dest != self.me else {}
+        ex = self.comm.start_round(sends, [src] if src != self.me else [], f"saf.zen.{self.tag}.{label}",
+                                   self.codec.empty(self.device))
         self.bytes_sent += ex.bytes_sent
         return ex
 
-    def _absorb(self, ex: Exchange) -> int:
-        got = ex.wait()
+    def _absorb(self, ex: Round) -> int:
+        got = ex.wait() or [self.codec.empty(self.device)]
         self.bytes_received += ex.bytes_received
         values, indices = self.codec.decode(torch.cat(got))  # nothing is ever sent to oneself
         self.acc.merge(indices, values)
@@ -238,10 +244,10 @@ class _HierarchicalCentralization(_Run):
         dist = 1
         while dist < self.pow2:  # recursive doubling among the first pow2 workers
             partner = self.me ^ dist if active else self.me
-            self.received.append(self._absorb(self._send(partner, f"rd{dist}")))
+            self.received.append(self._absorb(self._send(partner, partner, f"rd{dist}")))
             dist <<= 1
         extra = self.me + self.pow2 if self.me + self.pow2 < self.size else self.me
-        unfold = self._send(extra if active else self.me, "unfold")
+        unfold = self._send(extra, self.me, "unfold") if active else self._send(self.me, self.me - self.pow2, "unfold")
         if not active:  # take the result as it is: the same sums as everywhere else
             self.acc = SparseSum(self.indices[:0], self.values[:0])
         self._absorb(unfold)

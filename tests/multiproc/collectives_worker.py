@@ -30,11 +30,15 @@ from horovod_safusion.communicators import SparDL, Zen  # noqa: E402
 from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 
 DATA = None
-COMMS = ["spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide"]
+COMMS = ["spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide",
+         "spardl-gloo", "spardl-horovod", "zen-bp-gloo", "zen-hc-gloo"]
 FACTORIES = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdyna": lambda: "exdyna", "zen": lambda: "zen",
              "zen-bp": lambda: Zen(scheme="bp"), "zen-hc": lambda: Zen(scheme="hc"),
-             # one parallel slot per partition, one rehash: nearly every index collides
-             "zen-collide": lambda: Zen(scheme="bp", hash_slots=1, rehash=1),
+             # the rounds' transports by name (the others measure: "auto")
+             "spardl-gloo": lambda: SparDL(rounds="gloo"), "spardl-horovod": lambda: SparDL(rounds="horovod"),
+             "zen-bp-gloo": lambda: Zen(scheme="bp", rounds="gloo"), "zen-hc-gloo": lambda: Zen(scheme="hc", rounds="gloo"),
+             # one parallel slot per partition, one rehash: nearly every index collides (Horovod's rounds)
+             "zen-collide": lambda: Zen(scheme="bp", hash_slots=1, rehash=1, rounds="horovod"),
              # SparDL §3.3: 2 teams use R-SAG (2 workers: teams of 1; 4 workers: teams of 2), 3 teams B-SAG
              "spardl-teams": lambda: SparDL(teams=3 if hvd.size() == 3 else 2)}
 

@@ -46,6 +46,7 @@ from torch import nn
 import horovod.torch as hvd
 
 import horovod_safusion as saf
+from horovod_safusion.communicators import SparDL
 from horovod_safusion.fusion import NaivePlanner
 from horovod_safusion.plan import FusionPlan
 
@@ -562,11 +563,15 @@ def scenario_resume(out_dir, source):
 
 def scenario_killed(optimizer):
     """The last rank exits (``os._exit``) at step 3; the others train on to step 30 and record
-    how far they got (Horovod's launcher, or the collective that cannot finish, must end them)."""
+    how far they got (Horovod's launcher, or the collective that cannot finish, must end them).
+    ``optimizer``: ``horovod``, ``safusion`` (its defaults) or ``spardl-gloo`` (SparDL's rounds
+    on the Gloo group beside Horovod, every tensor sparse, so the death falls in a round)."""
     model = Net()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    kw = {"communicator": SparDL(rounds="gloo"), "density": 0.1, "dense": False, "min_selected": 0} \
+        if optimizer == "spardl-gloo" else {}
     opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()) if optimizer == "horovod" else \
-        saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), profile_steps=2)
+        saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), profile_steps=2, **kw)
     for step in range(30):
         if step == 3 and hvd.rank() == hvd.size() - 1:
             os._exit(3)

@@ -238,19 +238,37 @@ def test_a_gathered_checkpoint_of_2_hosts_x_2_resumes_on_3_hosts_x_1_conserving_
         assert all(r[scheme]["replicas_equal"] for r in after), scheme
 
 
-@pytest.mark.parametrize("optimizer", ["horovod", "safusion"])
+#: What a surviving worker that got as far as recording may have died of: Horovod's shutdown, or
+#: with SparDL's rounds on Gloo, the Gloo receive whose peer is gone.
+SURVIVOR_ERRORS = ("Horovod has been shut down", "Connection closed by peer", "Connection reset by peer",
+                   "Timed out waiting")
+
+
+def survivors_ended_as_with_horovod(proc, records) -> None:
+    assert "killed after" not in proc.stderr, proc.stderr[-3000:]  # our time limit: a hang
+    assert proc.returncode != 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Horovod detected that one or more processes exited with non-zero status" in proc.stderr + proc.stdout
+    assert not any("killed" in r and r["killed"].get("finished") for r in records), records
+    for r in records:  # a survivor that got as far as recording: Horovod's own error, or Gloo's
+        assert "exception" not in r or any(e in r["exception"] for e in SURVIVOR_ERRORS), r["exception"][-2000:]
+
+
+def test_a_worker_killed_during_spardl_rounds_on_gloo_ends_the_job(tmp_path):
+    """3 workers on one host, SparDL's rounds on the Gloo group beside Horovod: the last worker
+    dies at step 3, and the job ends with an error within the launch's time limit."""
+    cmd, np_ = command("gloo-3", [str(tmp_path), "killed", "spardl-gloo"])
+    proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
+    survivors_ended_as_with_horovod(proc, records_of(tmp_path, "killed", ["spardl-gloo"], np_))
+
+
+@pytest.mark.parametrize("optimizer", ["horovod", "safusion", "spardl-gloo"])
 def test_a_worker_killed_on_one_host_ends_the_job_as_with_horovod(hosts, optimizer, tmp_path_factory):
     """The last worker (on host 2) dies at step 3 of a 2 hosts × 2 job: the job ends with an error
     within the launch's time limit — no worker waits for it forever — as Horovod's own optimizer's
     job does: horovodrun's error naming the process that exited, and in any survivor that got as
-    far as recording, Horovod's shutdown error; no surviving worker records a finished run."""
+    far as recording, Horovod's shutdown error (or, with SparDL's rounds on Gloo, Gloo's error for
+    the peer that is gone); no surviving worker records a finished run."""
     out = tmp_path_factory.mktemp(f"killed-{optimizer}")
     cmd, np_ = command("hosts-2x2", [str(out), "killed", optimizer])
     proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
-    assert "killed after" not in proc.stderr, proc.stderr[-3000:]  # our time limit: a hang
-    assert proc.returncode != 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Horovod detected that one or more processes exited with non-zero status" in proc.stderr + proc.stdout
-    records = records_of(out, "killed", [optimizer], np_)
-    assert not any("killed" in r and r["killed"].get("finished") for r in records), records
-    for r in records:  # a survivor that got as far as recording: Horovod's own error
-        assert "exception" not in r or "Horovod has been shut down" in r["exception"], r["exception"][-2000:]
+    survivors_ended_as_with_horovod(proc, records_of(out, "killed", [optimizer], np_))

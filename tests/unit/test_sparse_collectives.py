@@ -182,6 +182,18 @@ def test_bad_options_name_the_value_and_the_accepted_ones(hvd):
         ExDynaCommunicator().setup(make_compressor("topk", 0.01))
     with pytest.raises(ValueError, match="alpha must be > 1, got 0.5"):
         ExDynaCommunicator(alpha=0.5)
+    for cls in (SparDL, Zen):
+        with pytest.raises(ValueError, match=r"rounds must be one of 'auto', 'horovod', 'gloo'; got 'mpi'"):
+            cls(rounds="mpi")
+
+
+@pytest.mark.parametrize("rounds", ["auto", "horovod", "gloo"])
+def test_one_worker_keeps_horovods_rounds_whatever_rounds_asks(hvd, rounds):
+    """With one worker there is no peer to send to: every ``rounds=`` resolves to Horovod's
+    alltoall and builds no Gloo group."""
+    comm = SparDL(rounds=rounds)
+    comm.setup(None)
+    assert comm.rounds.name == "horovod" and comm.round_seconds == {}
 
 
 @pytest.mark.parametrize("communicator", ["spardl", "exdyna", "zen"])
