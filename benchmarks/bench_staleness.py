@@ -20,8 +20,9 @@ trained two ways:
   its default error feedback (``momentum_correction="auto"``), classic error feedback
   (``momentum_correction=False``) and DGC's momentum correction with masking (``True``).
 
-The table gives the median over seeds of the final evaluation loss, its ratio to ``dense, delay
-0``, the number of seeds that ended within 10× of it, and the mean fraction of elements sent. The
+The table gives the median over seeds of the final evaluation loss ("diverged" where it is not
+finite), its ratio to ``dense, delay 0``, the number of seeds that ended within 10× of it, and the
+mean fraction of elements sent. The
 curves go to ``--out``/staleness.png, the records to results.json.
 """
 from __future__ import annotations
@@ -124,10 +125,10 @@ def main() -> None:
           f"seeds {args.seeds}; final evaluation loss (median), against dense without delay")
     print(f"{'run':<20} {'final loss':>11} {'÷ dense':>9} {'within 10×':>10} {'sent':>6}")
     for name, rs in groups.items():
-        end = float(np.median([r["end"] for r in rs]))
+        end = float(np.median([r["end"] if math.isfinite(r["end"]) else math.inf for r in rs]))
         within = sum(math.isfinite(r["end"]) and r["end"] <= 10 * reference for r in rs)
-        print(f"{name:<20} {end:>11.3g} {end / reference:>9.3g} {within:>6}/{len(rs):<3} "
-              f"{np.mean([r['sent'] for r in rs]):>6.3f}")
+        shown = f"{end:>11.3g} {end / reference:>9.3g}" if math.isfinite(end) else f"{'diverged':>11} {'':>9}"
+        print(f"{name:<20} {shown} {within:>6}/{len(rs):<3} {np.mean([r['sent'] for r in rs]):>6.3f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "workers": hvd.size(), "rows": rows}, f, indent=1)
