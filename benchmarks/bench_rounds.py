@@ -158,8 +158,9 @@ def print_table(results: list[dict], rows: list[int]) -> None:
             print(f"{r['label']:<22} {r['link']:<9} {n:>7} | {1e3 * h['median']:>7.2f} [{1e3 * h['min']:.2f}–{1e3 * h['max']:.2f}]"
                   f" {1e3 * h['cpu']:>7.2f} | {1e3 * g['median']:>7.2f} [{1e3 * g['min']:.2f}–{1e3 * g['max']:.2f}]"
                   f" {1e3 * g['cpu']:>7.2f} | {q['median']:>6.2f} [{q['min']:.2f}–{q['max']:.2f}]")
-        fits = ", ".join(f"{name}: {s[(name, 'fit')]['latency_ms']:.2f} ms + bytes / {s[(name, 'fit')]['mbit_s']:.0f} Mbit/s"
-                         for name in ("horovod", "gloo"))
+        fits = ", ".join(f"{name}: {s[(name, 'fit')]['latency_ms']:.2f} ms + " +
+                         (f"bytes / {s[(name, 'fit')]['mbit_s']:.0f} Mbit/s" if np.isfinite(s[(name, 'fit')]['mbit_s'])
+                          else "bytes / (no bandwidth term above the noise)") for name in ("horovod", "gloo"))
         print(f"{'':<22} fit  {fits}")
 
 
