@@ -66,10 +66,18 @@ GLOO_TIMEOUT_S = 30
 PROBE_BLOCKS, PROBE_ROUNDS = 4, 4
 
 
+#: The environment variable that sets ``rounds=`` for communicators not given one (e.g. by name).
+ROUNDS_ENV = "HOROVOD_SAFUSION_ROUNDS"
+
+
 def check_rounds(rounds: object) -> str:
-    """``rounds`` if it is one of :data:`ROUNDS`, else a ``ValueError`` naming it and them."""
+    """``rounds`` (``None``: :data:`ROUNDS_ENV`, else ``"auto"``) if it is one of :data:`ROUNDS`,
+    else a ``ValueError`` naming it and them."""
+    where = "rounds"
+    if rounds is None:
+        where, rounds = ROUNDS_ENV, os.environ.get(ROUNDS_ENV, "auto")
     if rounds not in ROUNDS:
-        raise ValueError(f"rounds must be one of {', '.join(map(repr, ROUNDS))}; got {rounds!r}")
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, ROUNDS))}; got {rounds!r}")
     return rounds
 
 
@@ -254,12 +262,14 @@ class RoundsCommunicator(Communicator):
     """A communicator whose protocol runs in point-to-point rounds (SparDL, ZEN).
 
     Args:
-        rounds: their transport, one of :data:`ROUNDS`: ``"auto"`` (the default: measured at
-            :meth:`setup`, see the module docstring), ``"horovod"`` or ``"gloo"``.
+        rounds: their transport, one of :data:`ROUNDS`: ``"auto"`` (measured at :meth:`setup`,
+            see the module docstring), ``"horovod"`` or ``"gloo"``; ``None`` (the default) takes
+            ``$HOROVOD_SAFUSION_ROUNDS``, else ``"auto"``, so that a job (or a communicator asked
+            for by name) can set it without code.
     """
 
     def __init__(self, process_set: Any = None, compression: Any = hvd.Compression.none, *,
-                 rounds: str = "auto") -> None:
+                 rounds: str | None = None) -> None:
         super().__init__(process_set, compression)
         self.rounds_asked = check_rounds(rounds)
         self.rounds: HorovodRounds | GlooRounds | None = None  # resolved by setup()

@@ -84,13 +84,14 @@ class SparDL(RoundsCommunicator):
     Args:
         teams: d, the number of teams (must divide the worker count); 1 is plain SparDL, more use
             R-SAG (d a power of two) or B-SAG (otherwise) between the teams.
-        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``.
+        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``, or
+            ``None`` (the default): ``$HOROVOD_SAFUSION_ROUNDS``, else ``"auto"``.
     """
 
     state_fields = ("h_state", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, teams: int = 1,
-                 rounds: str = "auto") -> None:
+                 rounds: str | None = None) -> None:
         super().__init__(process_set, compression, rounds=rounds)
         if not isinstance(teams, int) or teams < 1:
             raise ValueError(f"teams must be a positive integer, got {teams!r}")

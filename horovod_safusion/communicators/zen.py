@@ -57,14 +57,15 @@ class Zen(RoundsCommunicator):
             (the paper's r1 = 2·|G|·d_G; the serial area r2 = r1 / 10).
         hash_slots: a fixed r1 instead (tests force collisions with a tiny one).
         seed: hash seed; ``None`` draws one on rank 0 and broadcasts it in :meth:`setup`.
-        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``.
+        rounds: how the rounds travel (:mod:`.rounds`): ``"auto"``, ``"horovod"``, ``"gloo"``, or
+            ``None`` (the default): ``$HOROVOD_SAFUSION_ROUNDS``, else ``"auto"``.
     """
 
     state_fields = ("seed", "choice", "gamma_stats", "_measured", "numels")  # carried by the optimizer's state_dict()
 
     def __init__(self, process_set=None, compression=hvd.Compression.none, *, scheme: str = "auto",
                  choice_steps: int = 3, rehash: int = 3, memory: float = 2.0, hash_slots: int | None = None,
-                 seed: int | None = None, rounds: str = "auto") -> None:
+                 seed: int | None = None, rounds: str | None = None) -> None:
         super().__init__(process_set, compression, rounds=rounds)
         if scheme not in SCHEMES:
             raise ValueError(f"unknown ZEN scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}")

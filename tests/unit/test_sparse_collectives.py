@@ -187,6 +187,16 @@ def test_bad_options_name_the_value_and_the_accepted_ones(hvd):
             cls(rounds="mpi")
 
 
+def test_rounds_default_to_the_environment_then_auto(hvd, monkeypatch):
+    monkeypatch.delenv("HOROVOD_SAFUSION_ROUNDS", raising=False)
+    assert SparDL().rounds_asked == "auto"
+    monkeypatch.setenv("HOROVOD_SAFUSION_ROUNDS", "horovod")
+    assert Zen().rounds_asked == "horovod" and SparDL(rounds="gloo").rounds_asked == "gloo"
+    monkeypatch.setenv("HOROVOD_SAFUSION_ROUNDS", "tcp")
+    with pytest.raises(ValueError, match=r"HOROVOD_SAFUSION_ROUNDS must be one of 'auto', 'horovod', 'gloo'; got 'tcp'"):
+        SparDL()
+
+
 @pytest.mark.parametrize("rounds", ["auto", "horovod", "gloo"])
 def test_one_worker_keeps_horovods_rounds_whatever_rounds_asks(hvd, rounds):
     """With one worker there is no peer to send to: every ``rounds=`` resolves to Horovod's
