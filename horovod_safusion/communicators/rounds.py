@@ -46,6 +46,7 @@ import threading
 import time
 import warnings
 import zlib
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
@@ -81,7 +82,7 @@ def check_rounds(rounds: object) -> str:
     return rounds
 
 
-class Round:
+class Round(ABC):
     """One started round: ``wait()`` returns the rows received, one tensor per source.
 
     Attributes:
@@ -89,9 +90,11 @@ class Round:
     """
 
     bytes_sent: int = 0
+    _received_bytes: int = 0
 
+    @abstractmethod
     def wait(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The rows received from each source, in the order the sources were given (once)."""
 
     @property
     def bytes_received(self) -> int:
