@@ -6,10 +6,11 @@ ZEN (OSDI'25):
   (value, index) pairs by the shared hash h0 (an affine permutation of the buffer's indices cut
   into n ranges, :class:`~.zen_hash.AffinePartition`, so that no index set is stored) with
   lossless hierarchical hashing (Algorithm 1, :mod:`.zen_hash`) and sends partition i to worker i
-  in one ``hvd.alltoall`` with splits; the
-  owner aggregates (values of equal indices add up). *Pull* — every owner announces its aggregated
-  values with a hash bitmap over its index set 𝕀_i (Algorithm 2) in one ``hvd.allgather``; every
-  worker decodes 𝕀_i[bits] and writes the values. Both steps are balanced because h0 is universal
+  in one round (:mod:`.rounds`); the owner aggregates (values of equal indices add up).
+  *Pull* — every owner announces its aggregated values with a hash bitmap over its index set
+  𝕀_i (Algorithm 2), or with COO positions where its aggregate is sparser than 1/32 of 𝕀_i and
+  COO is the smaller (:func:`~.zen_hash.pull_encode`), in one ``hvd.allgather``; every worker
+  decodes them and writes the values. Both steps are balanced because h0 is universal
   (Theorem 2; imbalance ratios, Definition 8, are kept in :attr:`Zen.history`).
 * **Hierarchical Centralization** (Definition 7): recursive doubling over the whole sparse tensor
   with aggregation at every stage; a worker count that is not a power of two first folds the extra
@@ -39,7 +40,7 @@ from ..session import collective
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 from .p2p import RowCodec, SparseSum
 from .rounds import Round, RoundsCommunicator
-from .zen_hash import AffinePartition, bitmap_decode, bitmap_encode, hash_family, hierarchical_hash
+from .zen_hash import COO, AffinePartition, hash_family, hierarchical_hash, pull_decode, pull_encode
 
 SCHEMES = ("auto", "bp", "hc")
 
@@ -175,10 +176,8 @@ class _BalancedParallelism(_Run):
         values, indices = self.codec.decode(torch.cat(got))
         # aggregation on the owner, in the order of its index set 𝕀_me (the bitmap's order)
         local = SparseSum(self.h0.position(indices, self.me), values)
-        touched = torch.zeros(self.h0.size(self.me), dtype=torch.bool, device=self.device)
-        touched[local.indices] = True
         sent, _ = self.comm.compression.compress(local.values)
-        payload = torch.cat([bitmap_encode(touched), sent.contiguous().view(torch.uint8)])
+        payload = torch.cat([pull_encode(local.indices, self.h0.size(self.me)), sent.contiguous().view(torch.uint8)])
         gathered = wait(hvd.allgather_async(payload, name=collective(f"saf.zen.{self.tag}.pull"), process_set=self.ps))
         self.bytes_sent += payload.numel()
         self.bytes_received += gathered.numel() - payload.numel()
@@ -187,13 +186,11 @@ class _BalancedParallelism(_Run):
     def _decode(self, raw) -> None:
         gathered, wire_dtype = raw
         esize = torch.empty(0, dtype=wire_dtype).element_size()
-        offset, indices, values = 0, [], []
-        for owner in range(self.size):  # rank order: [bitmap | values] per owner; the owners' index sets are disjoint
-            owned = self.h0.size(owner)
-            nbytes = (owned + 7) // 8
-            bits = bitmap_decode(gathered[offset:offset + nbytes], owned)
-            offset += nbytes
-            idx = self.h0.members(owner, torch.nonzero(bits).squeeze(1))
+        offset, indices, values, coo = 0, [], [], 0
+        for owner in range(self.size):  # rank order: [bitmap or COO | values] per owner; the owners' index sets are disjoint
+            coo += int(gathered[offset]) == COO
+            positions, offset = pull_decode(gathered, offset, self.h0.size(owner))
+            idx = self.h0.members(owner, positions)
             raw_values = gathered[offset:offset + idx.numel() * esize].clone().view(wire_dtype)
             offset += idx.numel() * esize
             indices.append(idx)
@@ -202,7 +199,7 @@ class _BalancedParallelism(_Run):
         n, local, union = self.size, max(1, self.indices.numel()), max(1, sum(pulled))
         self.comm.history.append({"tag": self.tag, "scheme": "bp", "push_imbalance": n * max(self.push_counts) / local,
                                   "pull_imbalance": n * max(pulled) / union, "serial": self.serial,
-                                  "overflow": self.overflow, "selected": self.indices.numel(), "union": sum(pulled)})
+                                  "overflow": self.overflow, "pull_coo": coo, "selected": self.indices.numel(), "union": sum(pulled)})
         self._finish(torch.cat(values), torch.cat(indices))
 
 

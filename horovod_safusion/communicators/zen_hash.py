@@ -14,7 +14,8 @@ gather. A CUDA kernel for the hashing is not part of this module (PyTorch runs e
 
 Algorithm 2: a server announces its aggregated indices as a bitmap over the set of indices it
 owns, 𝕀_i = {idx | h0(idx) = i} (|𝕀_i|/8 bytes), instead of COO indices, and receivers decode
-``𝕀_i[nonzero(bits)]``. Balanced Parallelism's h0 is an :class:`AffinePartition`, whose sets
+``𝕀_i[nonzero(bits)]``; where the aggregate is sparser than 1/32 of 𝕀_i, COO is smaller, and the
+pull sends that instead (:func:`pull_encode`). Balanced Parallelism's h0 is an :class:`AffinePartition`, whose sets
 are enumerated on the fly rather than stored (a stored 𝕀_i costs the buffer's length in
 indices); the rehash functions h1..hk of Algorithm 1 are Carter–Wegman hashes.
 """
@@ -153,3 +154,37 @@ def bitmap_encode(bits: torch.Tensor) -> torch.Tensor:
 def bitmap_decode(packed: torch.Tensor, length: int) -> torch.Tensor:
     """Packed uint8 bitmap → bool tensor of ``length``."""
     return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1).view(-1)[:length].bool()
+
+
+#: The format byte that opens an owner's pull: the hash bitmap (Algorithm 2) or COO positions.
+BITMAP, COO = 0, 1
+
+
+def pull_encode(positions: torch.Tensor, owned: int) -> torch.Tensor:
+    """The index part of one owner's pull: a format byte, then the hash bitmap over its ``owned``
+    index set (Algorithm 2, ``ceil(owned/8)`` bytes) where that is no longer than COO, else COO: an
+    int32 count and the int32 ``positions`` (4 bytes each). The bitmap pays off once the owner's
+    aggregate is denser than 1/32 of its set (ZEN §3.3: the pull is dense after aggregation); below
+    that COO is smaller, as §2.3 prices the pull. ``positions``: sorted, unique, int64, within the
+    owner's index set (the order its values travel in)."""
+    dev = positions.device
+    if (owned + 7) // 8 <= 4 * (positions.numel() + 1):
+        bits = torch.zeros(owned, dtype=torch.bool, device=dev)
+        bits[positions] = True
+        return torch.cat([torch.tensor([BITMAP], dtype=torch.uint8, device=dev), bitmap_encode(bits)])
+    count = torch.tensor([positions.numel()], dtype=torch.int32, device=dev)
+    return torch.cat([torch.tensor([COO], dtype=torch.uint8, device=dev), count.view(torch.uint8),
+                      positions.to(torch.int32).view(torch.uint8)])
+
+
+def pull_decode(raw: torch.Tensor, offset: int, owned: int) -> tuple[torch.Tensor, int]:
+    """The sorted positions (int64) that one owner's pull, read from uint8 ``raw`` at ``offset``,
+    announces over its ``owned`` index set, and the offset after its index part (see
+    :func:`pull_encode`)."""
+    fmt, offset = int(raw[offset]), offset + 1
+    if fmt == BITMAP:
+        nbytes = (owned + 7) // 8
+        return torch.nonzero(bitmap_decode(raw[offset:offset + nbytes], owned)).squeeze(1), offset + nbytes
+    count = int(raw[offset:offset + 4].clone().view(torch.int32))
+    start = offset + 4
+    return raw[start:start + 4 * count].clone().view(torch.int32).to(torch.int64), start + 4 * count

@@ -78,8 +78,11 @@ def test_conservation_across_the_job(job):
         for comm, r in rec.items():
             assert r["conservation_diff"] <= 1e-6 * max(1.0, r["scale"]), (comm, r)
             assert r["same_update"], (comm, r)  # every rank applies the identical aggregate
+            if comm == "zen-bp-sparse":  # ZEN's pull in COO: the aggregate is sparser than 1/32
+                assert r["pull_coo"] > 0, r
             assert r["bytes_received"] > 0, (comm, r)
-            assert 0.02 < r["density"] < 0.1, (comm, r)
+            target = 0.005 if comm == "zen-bp-sparse" else 0.05  # the worker's CONSERVATION_DENSITY
+            assert 0.4 * target < r["density"] < 2 * target, (comm, r)
 
 
 def test_zen_loses_no_index_to_forced_collisions(job):

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 from horovod_safusion.communicators.exdyna import Partitions, allocation
 from horovod_safusion.communicators.spardl import BSAGStep, SparDL, block_bounds, bruck_steps, srs_steps
 from horovod_safusion.communicators.zen import Zen, choose_scheme
-from horovod_safusion.communicators.zen_hash import (AffinePartition, bitmap_decode, bitmap_encode, hash_family,
-                                                     hierarchical_hash)
+from horovod_safusion.communicators.zen_hash import (BITMAP, COO, AffinePartition, bitmap_decode, bitmap_encode,
+                                                     hash_family, hierarchical_hash, pull_decode, pull_encode)
 
 
 @pytest.mark.parametrize("P", range(1, 34))
@@ -230,3 +230,26 @@ def test_one_worker_job_applies_exactly_what_was_selected(hvd, communicator):
             assert torch.allclose(p.grad.view(-1) + r, a, atol=1e-6), n
         with opt.skip_synchronize():
             opt.step()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.floats(0.0, 1.0)), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
+def test_the_pull_sends_the_smaller_of_bitmap_and_coo_and_decodes_every_owner_back(owners, seed):
+    """ZEN's pull (Algorithm 2): per owner the bitmap where ceil(|I_i|/8) <= 4 (count + positions)
+    bytes, else COO; owners laid end to end decode back to their sorted positions, whatever the
+    format of each."""
+    gen = torch.Generator().manual_seed(seed)
+    parts, expected = [], []
+    for owned, density in owners:
+        positions = torch.nonzero(torch.rand(owned, generator=gen) < density).squeeze(1)
+        part = pull_encode(positions, owned)
+        bitmap_bytes, coo_bytes = (owned + 7) // 8, 4 * (positions.numel() + 1)
+        assert int(part[0]) == (BITMAP if bitmap_bytes <= coo_bytes else COO)
+        assert part.numel() == 1 + min(bitmap_bytes, coo_bytes)
+        parts.append(part)
+        expected.append(positions)
+    raw, offset = torch.cat(parts), 0
+    for (owned, _), positions in zip(owners, expected):
+        got, offset = pull_decode(raw, offset, owned)
+        assert torch.equal(got, positions)
+    assert offset == raw.numel()
