@@ -20,7 +20,9 @@ ZEN (OSDI'25):
   receives (the densification ratios γ^(2^(i−1))) and the final union (γ^n). The measurements are
   averaged over workers with one small allreduce, so every worker takes the same decision:
   Balanced Parallelism if Eq. (1) ``(n−1)/n · (γ^n + 1)`` is at most Eq. (2)'s measured
-  ``Σ_i γ^(2^(i−1))`` (the stage volumes HC actually received, in units of one worker's selection).
+  ``Σ_i γ^(2^(i−1))`` (the stage volumes HC actually received, in units of one worker's selection),
+  with the pull priced as it travels (bitmap or COO) and, for n not a power of two, HC's fold and
+  unfold added (:func:`choose_scheme`).
 
 The hash seeds are drawn on rank 0 and broadcast in :meth:`Zen.setup` (ZEN §4). Indices travel as
 int32 bits; a server's bitmap marks the indices it *received* (not the nonzero sums), so an exact
@@ -108,10 +110,11 @@ class Zen(RoundsCommunicator):
         return run(self, out, reduction).pending
 
     # ---- Eqs. (1)–(2) ---------------------------------------------------------------------------
-    def measured(self, tag: str, stats: np.ndarray, weight: float) -> None:
-        """HC's per-worker measurements ``[|I_w|, received per stage..., |I|]`` of one step (weight 0
-        for workers folded out of the recursive doubling); after ``choice_steps`` steps, decide
-        (a collective: called in buffer order on every worker)."""
+    def measured(self, tag: str, stats: np.ndarray, weight: float, numel: int) -> None:
+        """HC's per-worker measurements ``[|I_w|, received per stage..., |I|]`` of one step of the
+        buffer ``tag`` of ``numel`` elements (weight 0 for workers folded out of the recursive
+        doubling); after ``choice_steps`` steps, decide (a collective: called in buffer order on
+        every worker)."""
         if self.scheme != "auto" or tag in self.choice:
             return
         self._measured.setdefault(tag, []).append(np.concatenate([[weight], weight * stats]))
@@ -120,16 +123,27 @@ class Zen(RoundsCommunicator):
         total = hvd.allreduce(torch.from_numpy(np.sum(self._measured.pop(tag), axis=0)), op=hvd.Sum,
                               name=collective(f"saf.zen.gamma.{tag}"), process_set=self.process_set).numpy()
         self.gamma_stats[tag] = total[1:] / total[0]
-        self.choice[tag] = choose_scheme(self.process_set.size(), total[1:] / total[0])
+        self.choice[tag] = choose_scheme(self.process_set.size(), total[1:] / total[0], numel)
 
 
-def choose_scheme(workers: int, stats: np.ndarray) -> str:
-    """``"bp"`` if Eq. (1) ≤ Eq. (2) for worker-averaged ``[|I_w|, received per HC stage..., |I|]``."""
+def choose_scheme(workers: int, stats: np.ndarray, numel: int | None = None) -> str:
+    """``"bp"`` if Eq. (1) ≤ Eq. (2) for worker-averaged ``[|I_w|, received per HC stage..., |I|]``
+    of a buffer of ``numel`` elements, both in units of one worker's selection.
+
+    Eq. (1) prices the pull in COO entries (value and index, half of it index). The pull sends the
+    smaller of COO and the hash bitmap (:func:`~.zen_hash.pull_encode`): the index half of ``|I|``
+    entries, or ``numel/8`` bytes of bitmap, i.e. ``min(|I|/2, numel/64)`` entries of 8 bytes
+    (``numel=None``: COO, as the paper). Eq. (2) assumes a power of two; otherwise HC also folds one
+    worker's selection into another first and sends the union to it last, on the critical path:
+    ``1 + γ^n`` more."""
     local, stages, union = stats[0], stats[1:-1], stats[-1]
     if local <= 0:
         return "bp"
-    t_bp = (workers - 1) / workers * (union / local + 1)  # Eq. (1) / (2 M d_G / b)
-    t_hc = float(np.sum(stages)) / local                   # Eq. (2): Σ_i γ^(2^(i−1))
+    pull = union if numel is None else union / 2 + min(union / 2, numel / 64)
+    t_bp = (workers - 1) / workers * (pull / local + 1)  # Eq. (1) / (2 M d_G / b)
+    t_hc = float(np.sum(stages)) / local                  # Eq. (2): Σ_i γ^(2^(i−1))
+    if workers & (workers - 1):
+        t_hc += 1 + union / local                         # the fold and the unfold
     return "bp" if t_bp <= t_hc else "hc"
 
 
@@ -257,4 +271,4 @@ class _HierarchicalCentralization(_Run):
         self.comm.history.append({"tag": self.tag, "scheme": "hc", "selected": self.indices.numel(),
                                   "union": union, "stages": list(self.received)})
         self._finish(self.acc.values, self.acc.indices)
-        self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0)
+        self.comm.measured(self.tag, stats, 1.0 if self.me < self.pow2 else 0.0, self.numel)

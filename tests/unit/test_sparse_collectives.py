@@ -151,6 +151,15 @@ def test_choice_by_equations_one_and_two():
     assert choose_scheme(4, np.array([100.0, 100.0, 200.0, 400.0])) == "hc"
     # full overlap: γ = 1 everywhere; BP 3/4·2 = 1.5 ≤ HC 2
     assert choose_scheme(4, np.array([100.0, 100.0, 100.0, 100.0])) == "bp"
+    # the pull as it travels, no overlap (HC 1 + 2 = 3): a sparse aggregate pulls in COO, as Eq. (1)
+    # prices it (BP 3/4·(4 + 1) = 3.75); a dense one pulls a bitmap of 3200/8 bytes = 50 entries
+    # beside the values' 200 (BP 3/4·(2.5 + 1) = 2.625)
+    stats = np.array([100.0, 100.0, 200.0, 400.0])
+    assert choose_scheme(4, stats, numel=10**6) == "hc"
+    assert choose_scheme(4, stats, numel=3200) == "bp"
+    # 3 workers (not a power of two): HC also folds one selection in and sends the union out,
+    # 1 + γ^n = 4 more than its one doubling stage (1); BP 2/3·(3 + 1) = 2.67
+    assert choose_scheme(3, np.array([100.0, 100.0, 300.0])) == "bp"
 
 
 def test_bsag_h_moves_towards_L_and_stays_in_its_range():
