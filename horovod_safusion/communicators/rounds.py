@@ -33,8 +33,9 @@ order). Messages of a round are told apart from those of other rounds in flight 
 from the round's collective name, so rounds of different buffers may overlap. A peer that dies
 makes the receive fail (Gloo: connection closed, or the timeout of ``HOROVOD_GLOO_TIMEOUT_SECONDS``,
 :data:`GLOO_TIMEOUT_S` by default, as for Horovod's Gloo); the error reaches the training thread
-at ``wait()``, the worker exits with it, and the launcher ends the job, as with a Horovod
-collective.
+at ``wait()`` as the ``HorovodInternalError`` a Horovod collective raises there: under
+``hvd.elastic.run`` the job resets (and the next session builds its group with the new ranks),
+otherwise the worker exits with it and the launcher ends the job.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 
 from .. import session
 from ..announce import announce
@@ -224,9 +226,14 @@ class _GlooRound(Round):
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
-            result = self._future.result()
-            for work in self._works:
-                work.wait()
+            try:
+                result = self._future.result()
+                for work in self._works:
+                    work.wait()
+            except RuntimeError as e:
+                # Horovod's own collectives fail so when a peer is lost: hvd.elastic.run resets on
+                # it, and outside elastic it ends the job as theirs does
+                raise HorovodInternalError(f"horovod_safusion: a Gloo round failed: {e}") from e
             self._works, self._kept = [], []
             self._result = result
             self._received_bytes = sum(p.numel() for r, p in zip(self._sources, result) if r != self._me)

@@ -45,9 +45,11 @@ ELASTIC = SMALL + ["--num-batches-per-iter", "4", "--num-iters", "3", "--num-bat
 ELASTIC_BATCHES = 2 + 3 * 4
 
 
-def run_job(cmd, out_dir, timeout=LAUNCH_TIMEOUT):
-    """Run a horovodrun command line; return (CompletedProcess, seconds, per-rank records by rank)."""
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+def run_job(cmd, out_dir, timeout=LAUNCH_TIMEOUT, env=None):
+    """Run a horovodrun command line (``env``: variables added to this process's); return
+    (CompletedProcess, seconds, per-rank records by rank)."""
+    env = dict(os.environ, **(env or {}),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     start = time.monotonic()
     proc = run_horovodrun(cmd, timeout, env)
     seconds = time.monotonic() - start
@@ -173,15 +175,25 @@ def test_elastic_worker_raises_once(optimizer, tmp_path):
         assert rec["steps_run"] > ELASTIC_BATCHES  # the uncommitted batch ran twice
 
 
-@pytest.mark.parametrize("optimizer", ["safusion", "horovod"])
+#: SparDL's rounds over a Gloo group beside Horovod (``rounds="gloo"``), sparse from the first step.
+SPARDL_GLOO = (["--safusion-kwargs", json.dumps({"communicator": "spardl", "dense": False})],
+               {"HOROVOD_SAFUSION_ROUNDS": "gloo"})
+
+
+@pytest.mark.parametrize("optimizer", ["safusion", "horovod", "safusion-spardl-gloo"])
 def test_elastic_worker_dies_once_and_is_replaced(optimizer, tmp_path):
     """Two local "hosts" of one slot; rank 1's process dies once: rank 0 goes on alone, then a new
-    worker started on the failed host after its blacklist cooldown joins, and both finish."""
+    worker started on the failed host after its blacklist cooldown joins, and both finish. With
+    SparDL's rounds on Gloo, the group of the first session holds the dead worker: the new session
+    must build its own with the new one, or its rounds would fail or hang."""
+    script, env = SPARDL_GLOO if optimizer == "safusion-spardl-gloo" else ([], {})
+    optimizer = optimizer.split("-")[0]
     cmd, work = elastic_cmd(tmp_path, ["localhost:1", "127.0.0.1:1"], optimizer,
                             extra_horovodrun=["--blacklist-cooldown-range", "1", "2"],
-                            extra_script=["--fail-mode", "exit", "--wait-for-size", "2", "--wait-timeout", "120"],
+                            extra_script=["--fail-mode", "exit", "--wait-for-size", "2", "--wait-timeout", "120",
+                                          *script],
                             stacks_after="100")
-    proc, seconds, records = run_job(cmd, tmp_path, timeout=150)
+    proc, seconds, records = run_job(cmd, tmp_path, timeout=150, env=env)
     assert_ok(proc, seconds)
     assert (work / "failed-once.marker").exists(), describe(proc, seconds)
     assert_elastic_records(records, optimizer, proc, seconds)
@@ -190,4 +202,6 @@ def test_elastic_worker_dies_once_and_is_replaced(optimizer, tmp_path):
     assert len(survivors) == 1 and len(replaced) == 1, records
     assert survivors[0]["sizes_after_reset"] == [1, 2], survivors[0]  # alone, then joined
     assert replaced[0]["resets"] == 0, replaced[0]
+    if script:  # the last step was sparse, so its rounds ran on the rebuilt group
+        assert all(0 < rec["last_density"] < 1 for rec in records.values()), records
 

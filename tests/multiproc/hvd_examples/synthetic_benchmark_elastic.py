@@ -17,6 +17,7 @@ finished one), so that the number of batches done is exact; and:
   marker file in ``--work-dir`` makes it fail only once across resets and restarts. A dead process
   is only recovered from when another host is left: with one host (``localhost:2``) the driver
   blacklists it and stops the job, so name the machine twice (``localhost:1`` and ``127.0.0.1:1``).
+* ``--safusion-kwargs JSON``: keyword options for ``horovod_safusion.DistributedOptimizer``.
 * ``--wait-for-size N``: before each benchmark iteration, hold (calling ``state.check_host_updates()``)
   until N workers are in the job, so that a replacement worker joins deterministically.
 * ``--json PATH``: each worker still running at the end writes its result (``{rank}`` in PATH is
@@ -34,6 +35,7 @@ finished one), so that the number of batches done is exact; and:
 """
 import argparse
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -81,6 +83,8 @@ parser.add_argument('--image-size', type=int, default=224,
                     help='height and width of the synthetic images')
 parser.add_argument('--optimizer', choices=['horovod', 'safusion'], default='safusion',
                     help='hvd.DistributedOptimizer or horovod_safusion.DistributedOptimizer')
+parser.add_argument('--safusion-kwargs', type=json.loads, default={},
+                    help='horovod_safusion options as JSON, e.g. \'{"communicator": "spardl", "dense": false}\'')
 parser.add_argument('--fail-rank', type=int, default=None,
                     help='the rank that fails once')
 parser.add_argument('--fail-at-batch', type=int, default=0,
@@ -141,7 +145,7 @@ compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.n
 # The one line that differs: which DistributedOptimizer wraps the optimizer.
 if args.optimizer == 'safusion':
     import horovod_safusion
-    DistributedOptimizer = horovod_safusion.DistributedOptimizer
+    DistributedOptimizer = functools.partial(horovod_safusion.DistributedOptimizer, **args.safusion_kwargs)
 else:
     DistributedOptimizer = hvd.DistributedOptimizer
 
@@ -320,6 +324,7 @@ if args.json:
         'params_finite': bool(all(bool(torch.isfinite(p).all()) for p in params)),
         'losses_finite': bool(all(math.isfinite(v) for v in losses)),
         'residual_total': residual_total,
+        'last_density': optimizer.last_stats.density if hasattr(optimizer, 'last_stats') else None,
         'img_sec_mean': float(img_sec_mean) if state.img_secs else None,
     }
     path = args.json.replace('{rank}', str(hvd.rank())) if '{rank}' in args.json else '%s.rank%d.json' % (args.json, hvd.rank())
