@@ -31,7 +31,8 @@ and density in ``--densities`` with DGC's compressor (the default), and the same
 ``local_clipping`` at the same norm instead of the global clip; ``safusion@D+dgc+nomask`` the
 same without masking; ``safusion@0.01/COMPRESSOR`` for every other registered compressor.
 ``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``,
-``+ef21`` (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``:
+``+densestart`` (the warm-up's steps sent dense, ``warmup_schedule="dense"``, as PowerSGD's
+``start_powerSGD_iter``), ``+ef21`` (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``:
 classic error feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or
 ``+classic`` keeps the plugin's default (``momentum_correction="auto"``: DGC's correction without
 masking for this SGD). Ours always sparsify (``dense=False``), so the comparison is of the sparse
@@ -181,7 +182,8 @@ def scheme_keys(args) -> list[str]:
 
 
 TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping",
-              "warmup": "density warm-up", "ef21": "EF21-SGDM error feedback",
+              "warmup": "density warm-up", "densestart": "dense for the warm-up's steps (PowerSGD's start)",
+              "ef21": "EF21-SGDM error feedback",
               "classic": "classic error feedback under the SGD's momentum"}
 DGC = {"mc", "clip", "warmup"}
 
@@ -228,7 +230,8 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
     kw = parse_key(key)
     techniques = kw.pop("techniques")
-    extra = {"warmup_steps": warmup if "warmup" in techniques else 0,
+    extra = {"warmup_steps": warmup if techniques & {"warmup", "densestart"} else 0,
+             "warmup_schedule": "dense" if "densestart" in techniques else "exponential",
              "error_feedback": "ef21-sgdm" if "ef21" in techniques else "classic"}
     if "mc" in techniques:
         extra.update(momentum_correction=True, momentum_masking="nomask" not in techniques)

@@ -13,7 +13,7 @@ tensor → fusion buffer (:class:`~horovod_safusion.buffer.FusionBuffer`) of the
    stays in place) — and :mod:`~horovod_safusion.stages.send` — ONE asynchronous collective,
    overlapping the rest of back-propagation;
 4. :meth:`Controller.synchronize` starts every buffer that has not started (so no rank hangs when a
-   parameter got no gradient), :mod:`~horovod_safusion.stages.guard` starts the step's flags, and
+   parameter got no gradient), :mod:`~horovod_safusion.stages.flags` starts the step's flags, and
    :mod:`~horovod_safusion.stages.collect` writes each aggregate into ``p.grad``.
 
 It reports its phases to whoever observes the step (:mod:`horovod_safusion.observer`: the online
@@ -60,7 +60,8 @@ from .plan import FusionPlan, check_plan_across_ranks, send_small_dense
 from .residual import ResidualStore
 from .stages.collect import StepStats, Tally, WriteBack, keep_leftover, unpack
 from .stages.fill import Filler
-from .stages.guard import LossScale, StepFlags, poison
+from .stages.flags import StepFlags, poison
+from .stages.loss_scale import LossScale
 from .stages.mode import StepMode
 from .stages.select import Selection, selection_for
 from .stages.send import Sender

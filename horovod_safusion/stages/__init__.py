@@ -5,8 +5,9 @@
 * :mod:`.fill` — a gradient into its buffer: local clipping, momentum correction, the residual.
 * :mod:`.select` — one selection per buffer, on the host or on the device (chosen once per plan).
 * :mod:`.send` — one collective per buffer: the job's communicator, or Horovod's allreduce.
-* :mod:`.guard` — what every rank must agree on: the step's flags (non-finite gradients, arrived
-  gradients, joining parameters) and the loss scale of the residuals.
+* :mod:`.flags` — what every rank must agree on: the step's flags (non-finite gradients, arrived
+  gradients, joining parameters).
+* :mod:`.loss_scale` — the loss scale the residuals are kept at.
 * :mod:`.collect` — decoding into ``p.grad``, the residuals put back, the step's statistics.
 
 :class:`~horovod_safusion.controller.Controller` holds the plan and runs the stages in order.

@@ -24,7 +24,7 @@ from ..kernels import host
 from ..momentum import LocalClipping, MomentumCorrection
 from ..residual import ResidualStore, holds
 from .collect import WriteBack
-from .guard import StepFlags
+from .flags import StepFlags
 from .mode import StepMode
 
 

@@ -1,18 +1,13 @@
-"""What every rank must agree on in a step, and the loss scale the residuals are kept at.
-
-* :class:`StepFlags` — the step's one small allreduce (the maximum over ranks): whether any rank
-  dropped non-finite gradient elements on a sparse step, how many parameters ranks are about to
-  add, and per parameter whether its gradient arrived on any rank. A step some rank could not
-  send whole arrives as NaN on every rank (:func:`poison`), so the user's finiteness check (or
-  GradScaler's) skips it on all ranks alike, as with Horovod, and every rank takes back what it
-  sent into its residuals; nothing finite is lost and no rank keeps a NaN.
-* :class:`LossScale` — with a ``GradScaler``, residuals are kept at the scale of the step that made
-  them and rescaled by ``new_scale / old_scale`` when added to the next gradient, so a changing
-  scale neither inflates nor shrinks them.
+"""What every rank must agree on in a step: :class:`StepFlags`, the step's one small allreduce (the
+maximum over ranks): whether any rank dropped non-finite gradient elements on a sparse step, how
+many parameters ranks are about to add, and per parameter whether its gradient arrived on any
+rank. A step some rank could not send whole arrives as NaN on every rank (:func:`poison`), so the
+user's finiteness check (or GradScaler's) skips it on all ranks alike, as with Horovod, and every
+rank takes back what it sent into its residuals; nothing finite is lost and no rank keeps a NaN.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -85,31 +80,3 @@ def poison(buf: FusionBuffer) -> None:
         buf.flat.index_add_(0, buf.indices, buf.values)
     for t in buf.target.tensors:
         t.fill_(float("nan"))
-
-
-class LossScale:
-    """The loss scale residuals are kept at.
-
-    Args:
-        current: returns the scale of the step being back-propagated (a ``GradScaler``'s), or
-            ``None``; ``None`` itself: no loss scaling.
-    """
-
-    def __init__(self, current: Callable[[], torch.Tensor | None] | None) -> None:
-        self.current = current
-        self.residuals: torch.Tensor | None = None  # the scale the residuals are at
-        self._step: torch.Tensor | None = None      # the scale of the step in flight
-
-    def begin(self, rescales: bool) -> torch.Tensor | None:
-        """The step's first gradient: the ratio of its scale to the residuals' as a 0-dim tensor (no
-        host synchronisation; it keeps the residual's dtype), or ``None`` where none applies
-        (``rescales`` false: nothing is kept from step to step)."""
-        scale = self.current() if self.current is not None else None
-        self._step = scale
-        if scale is None or self.residuals is None or not rescales:
-            return None
-        return (scale / self.residuals).reshape(())
-
-    def end(self) -> None:
-        """The step synchronised: its residuals are at its scale."""
-        self.residuals = self._step
