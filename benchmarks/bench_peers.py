@@ -41,7 +41,7 @@ worker runs 1 thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). A li
 is limited (``links.py``; needs root); all of a link's jobs run in its one namespace. Per model,
 the driver starts the jobs one at a time. Each builds its model (same seed; Horovod's schemes
 broadcast rank 0's weights, DDP broadcasts itself) and optimizer and warms up (our optimizers for
-``profile_steps + 3`` steps and on until they have settled: profile, plan, a dense trial, steady
+``profile_steps + 3`` steps and on until they have settled: profile, plan, a plan trial, steady
 state; PowerSGD past its start iteration plus 2 steps; the rest 3), then its workers report
 ``warm`` and wait; the driver stops them (``SIGSTOP`` to the worker processes, not the launchers)
 before it starts the next job. A stopped job uses no CPU. A warm Horovod job left running, idle

@@ -115,7 +115,7 @@ class OnlineProfiler:
         self._record_from = settle_steps
         self._samples: list[dict] = []
         self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
-        self.trial: trial.DenseTrial | None = None  # two plans measured against each other
+        self.trial: trial.PlanTrial | None = None  # two plans measured against each other
         self._last_end: Any = None
         self._watching: ProfiledStep | None = None  # the step being profiled
 
@@ -162,7 +162,7 @@ class OnlineProfiler:
         self.steps = int(state["steps"])
         self.profile = None if state["profile"] is None else Profile.from_dict(json.loads(state["profile"]))
         saved = state.get("trial")
-        self.trial = None if saved is None else trial.DenseTrial.from_state(json.loads(saved))
+        self.trial = None if saved is None else trial.PlanTrial.from_state(json.loads(saved))
         self._samples = []
         record_from = state["record_from"]
         # a profile under way starts again at the next step
@@ -180,7 +180,7 @@ class OnlineProfiler:
 
     # ---- called by the optimizer at the end of every step() ------------------------------------
     def step_ends(self, controller: Controller) -> None:
-        """Take the profiled step's marks; run the dense trial; after the last profiled step,
+        """Take the profiled step's marks; run the plan trial; after the last profiled step,
         build the profile and switch every rank to the planner's plan; watch the next step if it
         is to be profiled."""
         clock = Clock(controller.device)

@@ -78,9 +78,12 @@ def predicted(plan: FusionPlan, chosen: dict) -> float:
     return float(plan.meta.get("predicted_iteration_s", chosen.get(key, float("nan"))))
 
 
-class DenseTrial:
-    """Measures ``first`` and ``second`` in the block order :data:`SCHEDULE` (A B B A, so that a
-    drift of the machine's speed during the trial hits both alike) and keeps the faster.
+class PlanTrial:
+    """Two plans measured against each other: what it settles is whatever the two differ in —
+    sparse or dense, the communicator, the density. Measures ``first`` and ``second`` in the block
+    order :data:`SCHEDULE` (A B B A, so that a drift of the machine's speed during the trial hits
+    both alike) and keeps the faster (of two densities, the denser unless the other measured
+    more than :data:`~horovod_safusion.density.MARGIN` faster).
 
     Args:
         first: the plan predicted faster (in use when the trial starts).
@@ -158,7 +161,7 @@ class DenseTrial:
                 "block": self._block, "skip": self._skip, "measured": self.measured}
 
     @classmethod
-    def from_state(cls, state: dict) -> "DenseTrial":
+    def from_state(cls, state: dict) -> "PlanTrial":
         trial = cls(*(FusionPlan.from_dict(p) for p in state["plans"]), steps=state["steps"],
                     confirm_below=state.get("confirm_below"))
         trial.blocks = [list(b) for b in state["blocks"]]
@@ -170,7 +173,7 @@ class DenseTrial:
         return self._block is None
 
 
-def start(plan: FusionPlan) -> DenseTrial | None:
+def start(plan: FusionPlan) -> PlanTrial | None:
     """After planning: say what was planned, and start a trial against ``plan.meta``'s runner-up:
     a full one when the predictions are close, else a check that the chosen plan measures below
     the runner-up's prediction."""
@@ -197,6 +200,6 @@ def start(plan: FusionPlan) -> DenseTrial | None:
                      f"{theirs:.3f} s; sending dense (pass dense=False to DistributedOptimizer to force sparse)")
         # the chosen plan stays if it measures below the other's prediction (times the margin
         # the denser of the two is allowed)
-        return DenseTrial(plan, other, steps=steps,
+        return PlanTrial(plan, other, steps=steps,
                           confirm_below=theirs * (factor if denser == 0 else 1.0 / factor))
-    return DenseTrial(plan, other, steps=steps)
+    return PlanTrial(plan, other, steps=steps)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
-from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS, TRIAL_STEPS, DenseTrial, block_steps, start
+from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS, TRIAL_STEPS, PlanTrial, block_steps, start
 from horovod_safusion.plan import FusionPlan
 from digits import DigitsCNN, load_digits_split
 from synthetic import synthetic_profile
@@ -69,7 +69,7 @@ def test_bad_dense_values_name_the_value_and_the_accepted_ones(hvd):
                              fusion="wfbp", dense=False)
 
 
-def run_trial(trial: DenseTrial, seconds_of, hvd) -> list[int]:
+def run_trial(trial: PlanTrial, seconds_of, hvd) -> list[int]:
     """Feed ``trial`` the step seconds of the plan in use; returns the plan index per step."""
     current, used = 0, []
     while not trial.done:
@@ -84,7 +84,7 @@ def run_trial(trial: DenseTrial, seconds_of, hvd) -> list[int]:
 def test_a_trial_runs_a_b_b_a_and_keeps_the_plan_measured_faster(hvd, faster):
     a = FusionPlan([["x"]], planner="safusion", meta={"predicted_sparse_s": 1.0, "predicted_dense_s": 0.9})
     b = FusionPlan([["x"]], planner="safusion", dense=True)
-    trial = DenseTrial(a, b)
+    trial = PlanTrial(a, b)
     seconds = [1.0, 1.0]
     seconds[1 - faster] = 2.0
     used = run_trial(trial, seconds, hvd)
@@ -96,10 +96,10 @@ def test_a_trial_runs_a_b_b_a_and_keeps_the_plan_measured_faster(hvd, faster):
 def test_a_trial_resumes_from_its_state(hvd):
     a = FusionPlan([["x"]], planner="safusion", meta={"predicted_sparse_s": 1.0, "predicted_dense_s": 0.9})
     b = FusionPlan([["x"]], planner="safusion", dense=True)
-    trial = DenseTrial(a, b)
+    trial = PlanTrial(a, b)
     for _ in range(1 + TRIAL_STEPS + 2):
         trial.step_ends(1.0, hvd.global_process_set)
-    resumed = DenseTrial.from_state(trial.state_dict())
+    resumed = PlanTrial.from_state(trial.state_dict())
     assert resumed.blocks == trial.blocks and resumed.plans == trial.plans
     assert len(SCHEDULE) == 4
 

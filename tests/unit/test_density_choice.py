@@ -10,7 +10,7 @@ import horovod_safusion as saf
 from horovod_safusion.density import CANDIDATES, MARGIN, densest_within
 from horovod_safusion.fusion import Profile, SAFusionPlanner, simulate
 from horovod_safusion.plan import FusionPlan
-from horovod_safusion.trial import DenseTrial
+from horovod_safusion.trial import PlanTrial
 from test_communicator_choice import line, priced
 
 
@@ -68,7 +68,7 @@ def test_profiles_and_plans_carry_the_density_through_json_and_the_digest():
 
 def measured(first: FusionPlan, second: FusionPlan, seconds: tuple[float, float], hvd) -> FusionPlan:
     """The plan a full trial keeps when ``first`` measures ``seconds[0]`` and ``second`` ``seconds[1]``."""
-    trial = DenseTrial(first, second, steps=1)
+    trial = PlanTrial(first, second, steps=1)
     current = first
     while not trial.done:
         current = trial.step_ends(seconds[0 if current is first else 1], hvd.global_process_set) or current
