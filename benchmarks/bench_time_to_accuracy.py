@@ -22,7 +22,8 @@ cluster on one machine (``scripts/cluster.sh``, every host's link limited):
   (``density=0.001`` with DGC's techniques: momentum correction with masking, a warm-up over the
   first 10 % of the steps, local clipping where the task clips), ``safusion@auto``
   (``density="auto"``) (horovodrun); on request (``--schemes``) also ``safusion@0.01+warmup``
-  (DGC's exponential warm-up alone, over the first 10 % of the steps).
+  (DGC's exponential warm-up alone, over the first 10 % of the steps) and ``safusion@0.03``
+  (``density=0.03``).
 
 The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy) and
 the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
@@ -58,7 +59,8 @@ from links import check_link, cluster, kill_tree, launchers, limited_link  # noq
 HOROVOD = ("horovod", "horovod-fp16")
 TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
 OURS = {"safusion@0.01": {"density": 0.01}, "safusion@0.001+dgc": {"density": 0.001, "dgc": True},
-        "safusion@auto": {"density": "auto"}, "safusion@0.01+warmup": {"density": 0.01, "warmup": True}}
+        "safusion@auto": {"density": "auto"}, "safusion@0.01+warmup": {"density": 0.01, "warmup": True},
+        "safusion@0.03": {"density": 0.03}}
 SCHEMES = (*HOROVOD, *TORCHRUN, "safusion@0.01", "safusion@0.001+dgc", "safusion@auto")  # the default run
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
 POWERSGD_RANK = 4
