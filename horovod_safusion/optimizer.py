@@ -51,6 +51,7 @@ from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCo
                        momentum_suspended, takes_over_momentum, to_gradient_scale)
 from .plan import MIN_SELECTED, FusionPlan, TensorInfo, check_plan_across_ranks
 from .profiling import OnlineProfiler
+from .stages.collect import assign_grad
 from .timeline.recorder import TimelineRecorder, make_recorder
 from .density import AUTO, CANDIDATES, check_auto, is_auto
 from .warmup import DensityWarmup
@@ -434,10 +435,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                         op=red.op, prescale_factor=red.prescale, postscale_factor=red.postscale,
                                         process_set=self.process_set)
         for (_, p), r in zip(named, reduced):
-            if p.grad.is_sparse:
-                p.grad.zero_().add_(r.to_sparse())
-            else:
-                p.grad.copy_(r)
+            assign_grad(p, r)
 
     @contextmanager
     def skip_synchronize(self):

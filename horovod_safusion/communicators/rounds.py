@@ -335,8 +335,10 @@ def gloo_rounds(process_set: Any, fall_back: bool = False) -> GlooRounds | None:
     any rank: the error, or with ``fall_back`` a warning and ``None`` (on every rank alike)."""
     key = (process_set.process_set_id, session.number(), process_set.size())
     if key not in _groups:
-        for old in [k for k in _groups if k[0] == key[0]]:
+        for old in [k for k in _groups if k[0] == key[0]]:  # an earlier session's group, and what chose it
             _groups.pop(old).close()
+        for old in [k for k in _chosen if k[0] == key[0] and k[1:3] != key[1:3]]:
+            del _chosen[old]
         try:
             built, error = GlooRounds(process_set), None
         except (RuntimeError, OSError) as e:  # a store or a peer that cannot be reached

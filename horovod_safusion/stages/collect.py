@@ -108,10 +108,10 @@ class WriteBack:
         """Write the stand-ins back; ``arrived_anywhere(name)`` tells whether a parameter that got
         no gradient here got one on some rank."""
         for p, stand_in in self._rewrite:
-            _write_back(p, stand_in)
+            assign_grad(p, stand_in)
         for p, stand_in, name in self._absent:
             if arrived_anywhere(name):
-                _write_back(p, stand_in)
+                assign_grad(p, stand_in)
         self.clear()
 
     def clear(self) -> None:
@@ -132,8 +132,9 @@ def keep_leftover(buf: FusionBuffer) -> None:
         buf.flat.index_add_(0, *leftover)
 
 
-def _write_back(p: torch.Tensor, flat: torch.Tensor) -> None:
-    """The reduced gradient of a parameter whose ``.grad`` is sparse, strided or ``None``."""
+def assign_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
+    """``flat``, a reduced gradient of ``p``'s size, into ``p.grad``, whether that is sparse,
+    strided or ``None``."""
     value = flat.view(p.shape)
     if p.grad is None:
         p.grad = value
