@@ -163,8 +163,10 @@ class Controller:
 
     def _aim(self, density: float | None) -> None:
         """Select at ``density`` from now on, and end a warm-up there (``None``: the compressor's,
-        which under ``density="auto"`` is the provisional one until a plan chooses)."""
-        if density is not None and not self.densities:
+        or under ``density="auto"`` the lowest candidate, provisional until a plan chooses)."""
+        if density is None and self.densities:
+            density = min(self.densities)
+        elif density is not None and not self.densities:
             raise ValueError(f"the fusion plan selects at density {density!r}, but this optimizer was given "
                              f"density={self.asked_density!r}; pass density='auto' to let a plan choose it")
         if self.compressor.dense:

@@ -18,16 +18,20 @@ from the same cost curves — and the measured trial (:mod:`~horovod_safusion.tr
 choice with the same preference: the denser of two plans is kept unless the other measured more
 than :data:`MARGIN` faster.
 
-Candidates, :data:`CANDIDATES`: half-decade steps from 0.001 to 0.1. 0.001 is the lowest density
-the papers train at (DGC's target; SAFusion §5); above 0.1 a selected element costs a value and an
-index (8 bytes against 4) and an allgather receives (P − 1)·k of them, so a sparse step sends about
-as much as a dense allreduce and dense, the cap, is the better choice. Half-decade steps because
-the cost model predicts to some tens of per cent; finer steps would be chosen by noise.
+Candidates, :data:`CANDIDATES`: 0.03 and 0.1. Error feedback holds what it does not send for about
+``1/density`` steps, and the wrapped optimizer tolerates only so much delay: under the default
+momentum correction, densities below 0.03 learn measurably slower per step (a language model at
+4 workers stays far above dense's perplexity at 0.01 where 0.03 and 0.1 do not), so a density
+the link would hide better is no saving when the steps it adds cost more than the time it saves
+— priced by time alone, ``"auto"`` chose lower densities that missed the quality target a higher
+one reached (docs/benchmarks.md, "Time to accuracy at 4 hosts"). Above 0.1 a selected element costs
+a value and an index (8 bytes against 4) and an allgather receives (P − 1)·k of them, so a sparse
+step sends about as much as a dense allreduce and dense, the cap, is the better choice.
 :data:`MARGIN`: 20 %. A lower density pays only where the time it saves per step outweighs the steps
-it adds to reach the same quality, and those are many: 0.001 instead of 0.01 costs accuracy on both
+it adds to reach the same quality, and those are many: a lower density costs accuracy on both
 models ``bench_convergence`` trains, while on a slow link where communication is mostly hidden it
-saves only a small part of a step. A margin of the order of the steps' noise chooses 0.001 on such a
-saving; the margin must be wider than the time a step down in density typically saves once
+saves only a small part of a step. A margin of the order of the steps' noise chooses the lower
+density on such a saving; the margin must be wider than the time a step down in density typically saves once
 communication is mostly hidden (docs/benchmarks.md, "Choosing the density", has the runs).
 """
 from __future__ import annotations
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
 
 AUTO = "auto"
 #: The densities ``density="auto"`` chooses among, besides dense (see the module docstring).
-CANDIDATES = (0.001, 0.003, 0.01, 0.03, 0.1)
+CANDIDATES = (0.03, 0.1)
 #: A denser option is preferred while its iteration time is within this fraction of the fastest's.
 MARGIN = 0.2
 

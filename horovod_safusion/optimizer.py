@@ -617,10 +617,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                     default ``"dgc"``, or ``"none"`` for the dense scheme ``fusion="horovod"``.
         density: fraction of each tensor's elements sent per step, ``0 < density <= 1``
                  (default 0.01). Lower saves traffic; too low slows convergence. ``"auto"`` (with
-                 ``fusion="safusion"``): the highest of 0.001, 0.003, 0.01, 0.03, 0.1 and dense
-                 whose iteration time, predicted from the profile and confirmed by a measured
-                 trial, is within 20 % of the fastest — the most the link hides behind
-                 back-propagation (0.01 until the first plan; rank 0 says what it chose; a
+                 ``fusion="safusion"``): the densest of 0.03, 0.1 and dense whose iteration
+                 time, predicted from the profile and confirmed by a measured trial, is within
+                 20 % of the fastest — the most the link hides behind back-propagation; lower
+                 densities learn too slowly per step to pay (0.03 until the first plan; rank 0 says what it chose; a
                  warm-up ends at the chosen density).
         fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized
                 buffers planned from an online profile; see ``horovod_safusion.available_planners()``)
