@@ -620,8 +620,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                  ``fusion="safusion"``): the densest of 0.03, 0.1 and dense whose iteration
                  time, predicted from the profile and confirmed by a measured trial, is within
                  20 % of the fastest — the most the link hides behind back-propagation; lower
-                 densities learn too slowly per step to pay (0.03 until the first plan; rank 0 says what it chose; a
-                 warm-up ends at the chosen density).
+                 densities learn too slowly per step to pay (0.03 until the first plan; rank 0
+                 says what it chose; a warm-up ends at the chosen density).
         fusion: name of a fusion planner (default ``"safusion"``: aligned, adaptively sized
                 buffers planned from an online profile; see ``horovod_safusion.available_planners()``)
                 or a ``Planner`` instance. Cannot be combined with Horovod's ``groups``.

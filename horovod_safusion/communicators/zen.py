@@ -202,8 +202,8 @@ class _BalancedParallelism(_Run):
         esize = torch.empty(0, dtype=wire_dtype).element_size()
         offset, indices, values, coo = 0, [], [], 0
         for owner in range(self.size):  # rank order: [bitmap or COO | values] per owner; the owners' index sets are disjoint
-            coo += int(gathered[offset]) == COO
-            positions, offset = pull_decode(gathered, offset, self.h0.size(owner))
+            positions, offset, fmt = pull_decode(gathered, offset, self.h0.size(owner))
+            coo += fmt == COO
             idx = self.h0.members(owner, positions)
             raw_values = gathered[offset:offset + idx.numel() * esize].clone().view(wire_dtype)
             offset += idx.numel() * esize

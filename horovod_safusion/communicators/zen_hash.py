@@ -177,14 +177,14 @@ def pull_encode(positions: torch.Tensor, owned: int) -> torch.Tensor:
                       positions.to(torch.int32).view(torch.uint8)])
 
 
-def pull_decode(raw: torch.Tensor, offset: int, owned: int) -> tuple[torch.Tensor, int]:
+def pull_decode(raw: torch.Tensor, offset: int, owned: int) -> tuple[torch.Tensor, int, int]:
     """The sorted positions (int64) that one owner's pull, read from uint8 ``raw`` at ``offset``,
-    announces over its ``owned`` index set, and the offset after its index part (see
-    :func:`pull_encode`)."""
+    announces over its ``owned`` index set, the offset after its index part, and its format
+    (:data:`BITMAP` or :data:`COO`; see :func:`pull_encode`)."""
     fmt, offset = int(raw[offset]), offset + 1
     if fmt == BITMAP:
         nbytes = (owned + 7) // 8
-        return torch.nonzero(bitmap_decode(raw[offset:offset + nbytes], owned)).squeeze(1), offset + nbytes
+        return torch.nonzero(bitmap_decode(raw[offset:offset + nbytes], owned)).squeeze(1), offset + nbytes, fmt
     count = int(raw[offset:offset + 4].clone().view(torch.int32))
     start = offset + 4
-    return raw[start:start + 4 * count].clone().view(torch.int32).to(torch.int64), start + 4 * count
+    return raw[start:start + 4 * count].clone().view(torch.int32).to(torch.int64), start + 4 * count, fmt

@@ -256,9 +256,9 @@ def test_the_pull_sends_the_smaller_of_bitmap_and_coo_and_decodes_every_owner_ba
         assert int(part[0]) == (BITMAP if bitmap_bytes <= coo_bytes else COO)
         assert part.numel() == 1 + min(bitmap_bytes, coo_bytes)
         parts.append(part)
-        expected.append(positions)
+        expected.append((positions, int(part[0])))
     raw, offset = torch.cat(parts), 0
-    for (owned, _), positions in zip(owners, expected):
-        got, offset = pull_decode(raw, offset, owned)
-        assert torch.equal(got, positions)
+    for (owned, _), (positions, fmt) in zip(owners, expected):
+        got, offset, got_fmt = pull_decode(raw, offset, owned)
+        assert torch.equal(got, positions) and got_fmt == fmt
     assert offset == raw.numel()
