@@ -17,6 +17,12 @@ refinements spread them over iterations, ahead: on SIDCo it flattered ``behind``
 It prints a table, draws a PNG, and writes each compressor's cost curve (seconds against dense
 bytes, plus the per-segment cost) as JSON in the format of
 :class:`horovod_safusion.fusion.CostCurve`.
+
+``--device cuda`` trains and selects on a GPU: every compressor then takes the device path
+(:meth:`Compressor.propose` and one host read per buffer, as the controller's
+:class:`~horovod_safusion.stages.select.DeviceSelection` does), and each selection is timed
+between two synchronisations of the device. On the GPU machines Horovod is not installed: run it
+through ``tests/gpu/gpu_env.py`` (``benchmarks/gpu_check.sh`` does).
 """
 from __future__ import annotations
 
@@ -38,8 +44,8 @@ from models import resnet18  # noqa: E402
 
 from horovod_safusion.compressors import available_compressors, make_compressor  # noqa: E402
 from horovod_safusion.compressors import sparsify  # noqa: E402
+from horovod_safusion.compressors.device import on_host  # noqa: E402
 from horovod_safusion.fusion import InterPlanner, TensorInfo  # noqa: E402
-from horovod_safusion.sweeps import compression_sweep, sweep_source  # noqa: E402
 from horovod_safusion.segment import Segments  # noqa: E402
 
 COMPRESSORS = [c for c in available_compressors() if c != "none"]
@@ -48,13 +54,13 @@ COMPRESSORS = [c for c in available_compressors() if c != "none"]
 class Config:
     """One compressor at one density in one order, with its own residual per buffer."""
 
-    def __init__(self, name, density, order, buffers):
+    def __init__(self, name, density, order, buffers, device):
         self.name, self.density, self.order = name, density, order
         self.compressor = make_compressor(name, density)
-        self.residual = [torch.zeros(sum(b.sizes)) for b in buffers]
+        self.residual = [torch.zeros(sum(b.sizes), device=device) for b in buffers]
         self.density_log, self.missing_log, self.seconds_log = [], [], []
         # What the compressor promises: k = max(1, round(density * n)) per segment.
-        self.whole = [Segments((f"buffer{b}",), (s.numel,)) for b, s in enumerate(buffers)]
+        self.whole = [Segments((f"buffer{b}",), (s.numel,), device) for b, s in enumerate(buffers)]
         segs = buffers if order == "ahead" else self.whole
         self.promised = sum(int(s.k(density).sum()) for s in segs) / sum(b.numel for b in buffers)
 
@@ -64,8 +70,10 @@ class Config:
         for b, (tensor_segs, grad) in enumerate(zip(buffers, grads)):
             acc = self.residual[b].add_(grad)  # in place, as the controller's fusion buffer
             segs = tensor_segs if self.order == "ahead" else self.whole[b]
+            synchronize(acc.device)
             t0 = time.perf_counter()
-            _, indices = sparsify(self.compressor, acc, segs, step)  # acc becomes the residual
+            indices = select(self.compressor, acc, segs, step)  # acc becomes the residual
+            synchronize(acc.device)
             elapsed += time.perf_counter() - t0
             counts = tensor_segs.counts(indices)
             nonzero = torch.stack([p.abs().amax() for p in (grad + 0).split(list(tensor_segs.sizes))]) > 0
@@ -79,6 +87,19 @@ class Config:
             self.seconds_log.append(elapsed)
 
 
+def select(compressor, flat: torch.Tensor, segments: Segments, step: int) -> torch.Tensor:
+    """The selected indices, by the path the controller takes for ``flat``; the rest stays in it."""
+    if on_host(flat):
+        return sparsify(compressor, flat, segments, step)[1]
+    (_, indices, _), _ = compressor.propose(flat, segments, step).decide()
+    return indices
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=200)
@@ -88,19 +109,24 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--buffers", type=int, default=4, help="aligned fusion buffers (safusion-inter's M)")
     ap.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS)
+    ap.add_argument("--device", default="cpu", help="cpu (the host path) or cuda (the device path)")
+    ap.add_argument("--curves", action=argparse.BooleanOptionalAction, default=True,
+                    help="write the cost curves (they need Horovod: --no-curves on the GPU machines)")
     ap.add_argument("--out", default="out/bench_compressors")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    device = torch.device(args.device)
 
     x, y, _, _ = load_digits_split()
-    model = resnet18(width=args.width)
+    x, y = x.to(device), y.to(device)
+    model = resnet18(width=args.width).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     named = [(n, p) for n, p in model.named_parameters()][::-1]  # back-propagation order
     plan = InterPlanner(args.buffers).plan([TensorInfo(n, p.numel(), 4, "f32") for n, p in named])
     params = dict(named)
-    buffers = [Segments(tuple(b), tuple(params[n].numel() for n in b)) for b in plan.buffers]
-    configs = [Config(c, d, o, buffers) for d in args.densities for c in args.compressors for o in ("ahead", "behind")]
+    buffers = [Segments(tuple(b), tuple(params[n].numel() for n in b), device) for b in plan.buffers]
+    configs = [Config(c, d, o, buffers, device) for d in args.densities for c in args.compressors for o in ("ahead", "behind")]
 
     for it in tqdm(range(args.iterations), desc="iterations"):
         i = (it * args.batch_size) % (len(x) - args.batch_size)
@@ -113,24 +139,32 @@ def main() -> None:
 
     rows = report(configs, args)
     os.makedirs(args.out, exist_ok=True)
-    curves = {}
-    for name in tqdm(args.compressors, desc="cost curves"):
-        numels = [p.numel() for p in params.values()]
-        sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), numels,
-                                                        sweep_source([], max(numels), torch.float32, torch.device("cpu")))
-        curves[name] = {"sizes": sizes, "seconds": seconds, "segment_cost": per_segment}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    plot(rows, args, os.path.join(args.out, "compressors.png"))
+    print(f"wrote {args.out}/results.json, compressors.png")
+    if args.curves:
+        write_curves(args, [p.numel() for p in params.values()], device)
+
+
+def write_curves(args, numels: list[int], device: torch.device) -> None:
+    """Each compressor's cost curve at density 0.01, as the profile sweeps it."""
+    from horovod_safusion.sweeps import compression_sweep, sweep_source  # imports Horovod
+
+    curves = {}
+    for name in tqdm(args.compressors, desc="cost curves"):
+        sizes, seconds, per_segment = compression_sweep(make_compressor(name, 0.01), numels,
+                                                        sweep_source([], max(numels), torch.float32, device))
+        curves[name] = {"sizes": sizes, "seconds": seconds, "segment_cost": per_segment}
     with open(os.path.join(args.out, "cost_curves.json"), "w") as f:
         json.dump(curves, f, indent=1)
-    plot(rows, args, os.path.join(args.out, "compressors.png"))
-    print(f"wrote {args.out}/results.json, cost_curves.json, compressors.png")
+    print(f"wrote {args.out}/cost_curves.json")
 
 
 def report(configs, args):
     by = {(c.name, c.density, c.order): c for c in configs}
     rows = []
-    print(f"\nResNet-18 w{args.width} on digits, {len(configs[0].residual)} aligned buffers, "
+    print(f"\nResNet-18 w{args.width} on digits ({args.device}), {len(configs[0].residual)} aligned buffers, "
           f"{args.iterations} iterations ({args.warmup} warm-up); density = selected / elements, "
           f"(x target); [x promised]: promised = sum over segments of max(1, round(target * n)) / elements")
     print("ms: mean selection time per iteration (what training pays, periodic re-estimations included); "

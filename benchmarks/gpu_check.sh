@@ -8,12 +8,16 @@
 #    kernels against the host and PyTorch paths; tests/gpu/conftest.py loads the package without
 #    Horovod where it is missing), the host path's Numba kernels compiled beside them meanwhile;
 # 3. benchmarks/bench_gpu_kernels.py on cuda (float32, then bfloat16 at smaller sizes), through
-#    tests/gpu/gpu_env.py for the same reason, its results.json and gpu_kernels.png to $OUT.
+#    tests/gpu/gpu_env.py for the same reason, its results.json and gpu_kernels.png to $OUT;
+# 4. benchmarks/bench_compressors.py on a full-width ResNet-18: every compressor's device path on
+#    cuda, then its host path on this machine's CPU, its tables in the log and its results.json as
+#    $OUT/compressors_<device>.json.
 # Everything printed also goes to $OUT/log. The exit status is the tests'.
 #
 # Variables: PYTHON (python3), GPU_CHECK_DEVICE (cuda; cpu: a dry run of this script on a
 # machine without a GPU, Triton interpreted, tiny sizes), GPU_CHECK_K (a pytest -k expression),
-# GPU_CHECK_BENCH (1; 0 skips the benchmark).
+# GPU_CHECK_BENCH (1; 0 skips the benchmarks), GPU_CHECK_WIDTH (64: bench_compressors' ResNet-18
+# width) and GPU_CHECK_ITERATIONS (30: its iterations, 5 of them warm-up).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -78,6 +82,19 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             --sizes 1e7 1e8 --densities 0.01 --out "$OUT/bfloat16"
         stamp "bench bfloat16: exit status $?"
     fi
+fi
+compressors() {  # $1: the device; the timeout comes second
+    local dir
+    dir=$(mktemp -d)
+    stamp "benchmarks/bench_compressors.py on $1"
+    timeout "$2" $PY tests/gpu/gpu_env.py benchmarks/bench_compressors.py --device "$1" --no-curves \
+        --width "${GPU_CHECK_WIDTH:-64}" --iterations "${GPU_CHECK_ITERATIONS:-30}" --warmup 5 --out "$dir"
+    stamp "bench_compressors on $1: exit status $?"
+    cp "$dir/results.json" "$OUT/compressors_$1.json" 2>/dev/null
+}
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+    compressors "$DEVICE" 150
+    [ "$DEVICE" = cuda ] && compressors cpu 150
 fi
 stamp "done"
 exit "$rc"

@@ -160,7 +160,7 @@ class DeviceView:
     def kth_largest_of(self, values: torch.Tensor, groups: torch.Tensor, ks: np.ndarray) -> torch.Tensor:
         """Per group ``g``, the ``ks[g]``-th largest ``|values|`` where ``groups == g`` (float64),
         e.g. of a sample per segment."""
-        return reference.kth_largest(values, groups, kernels.to_device(ks, values.device)).double()
+        return reference.kth_largest(values, groups, kernels.constant(ks, values.device)).double()
 
     def propose(self, thresholds: torch.Tensor, commit: Callable[[torch.Tensor], None] | None = None) -> Proposal:
         """The selection by ``thresholds``; ``commit(counts)`` updates the compressor's state

@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from ..kernels import to_device
+from ..kernels import constant
 from .base import register_compressor
 from .device import DeviceView
 from .threshold import PeriodicThreshold, SegmentView
@@ -50,13 +50,15 @@ def _keys(names: tuple[str, ...]) -> np.ndarray:
     return np.array([zlib.crc32(n.encode()) for n in names], dtype=np.int64)
 
 
-def _per_draw(values: np.ndarray, counts: np.ndarray, device: torch.device | None) -> Ints:
+def _per_draw(values: Ints, counts: np.ndarray, device: torch.device | None) -> Ints:
     """``values[g]`` repeated ``counts[g]`` times: a NumPy array, or a tensor on ``device``
-    (sized on the host: nothing is read back)."""
+    (sized on the host: nothing is read back; ``values`` a tensor there, or a host array that
+    stays the same from step to step)."""
     if device is None:
         return np.repeat(values, counts)
-    return torch.repeat_interleave(to_device(values, device), to_device(counts, device),
-                                   output_size=int(counts.sum()))
+    if isinstance(values, np.ndarray):
+        values = constant(values, device)
+    return torch.repeat_interleave(values, constant(counts, device), output_size=int(counts.sum()))
 
 
 def sample_positions(seed: int, step: int, keys: np.ndarray, efforts: np.ndarray, offsets: np.ndarray,
@@ -67,8 +69,11 @@ def sample_positions(seed: int, step: int, keys: np.ndarray, efforts: np.ndarray
     Counter-based: draw ``j`` of a group is a hash of ``(seed, step, keys[g], efforts[g], j)``, so
     a segment's sample does not depend on which other segments are sampled with it — the host
     samples the segments it must estimate, the device every segment at every effort, and both
-    draw the same positions."""
-    base = _mix(np.int64((seed * 0x9E3779B1 + step) & _M32))
+    draw the same positions. On the device, only the step's hash is new from step to step: the
+    groups' arrays are :func:`~horovod_safusion.kernels.constant`, copied once."""
+    base = int(_mix(np.int64((seed * 0x9E3779B1 + step) & _M32)))
+    if device is not None:
+        keys, efforts = constant(keys, device), constant(np.asarray(efforts, dtype=np.int64), device)
     salt = _mix((_mix(keys ^ base) + efforts * 0x85EBCA77) & _M32)
     total = int(counts.sum())
     ordinal = np.arange(total) if device is None else torch.arange(total, device=device)
@@ -151,8 +156,8 @@ class DGC(PeriodicThreshold):
             positions = sample_positions(self.seed, step, _keys(view.segments.names)[s], e, view.segments.offset_array[s],
                                          n[s], ms, view.flat.device)
             groups = torch.repeat_interleave(torch.arange(len(s), device=view.flat.device),
-                                             to_device(ms, view.flat.device), output_size=int(ms.sum()))
+                                             constant(ms, view.flat.device), output_size=int(ms.sum()))
             ks = np.ceil(view.density * ms).astype(np.int64)
-            at = to_device(s * len(efforts) + e, view.flat.device)
+            at = constant(s * len(efforts) + e, view.flat.device)
             table.view(-1)[at] = view.kth_largest_of(view.flat[positions], groups, ks)
         return table

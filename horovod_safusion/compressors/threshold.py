@@ -28,7 +28,7 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from ..kernels import to_device
+from ..kernels import constant
 from ..segment import Segments
 from .base import Compressor
 from .device import DeviceView, Proposal, SegmentStats, on_host
@@ -280,7 +280,7 @@ class PeriodicThreshold(ThresholdCompressor):
         estimates = torch.where(view.k[:, None] == 1, view.max[:, None], self.estimate_on_device(view, step))
         estimate = estimates.gather(1, effort_now.long()[:, None]).squeeze(1)
         relative = torch.where(stale, estimate / view.unit, state)
-        low, high = (to_device(b, device) for b in self._band(view.k_host))
+        low, high = (constant(b, device) for b in self._band(view.k_host))
         first = view.applied(torch.where(stale, estimate, state * view.unit))
         applied, counts = self._within_band(view, first, view.live & (fresh != step), low, high)
         relative = torch.where(applied != first, applied.double() / view.unit, relative)

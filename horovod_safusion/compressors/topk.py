@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..kernels import to_device
+from ..kernels import constant
 from ..segment import Segments
 from .base import Compressor, register_compressor
 from .device import on_host
@@ -55,7 +55,7 @@ class TopK(Compressor):
             if len(offsets) == 1:
                 parts.append(torch.topk(flat[offsets[0]:offsets[0] + n].abs(), k, sorted=False).indices + offsets[0])
             else:
-                starts = to_device(np.asarray(offsets, dtype=np.int64), flat.device)
+                starts = constant(np.asarray(offsets, dtype=np.int64), flat.device)
                 idx = torch.topk(flat.unfold(0, n, 1)[starts].abs_(), k, dim=1, sorted=False).indices
                 parts.append((idx + starts.unsqueeze(1)).flatten())
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)

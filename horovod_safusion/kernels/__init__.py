@@ -35,7 +35,7 @@ from .blocks import BlockTable, block_table
 from . import host, reference
 
 __all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "scatter_add", "decode_rows",
-           "uses_triton", "on_host", "paths", "reread", "Paths", "to_device"]
+           "uses_triton", "on_host", "paths", "reread", "Paths", "to_device", "constant"]
 
 CHOICES = ("torch", "triton")
 
@@ -81,6 +81,22 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def constant(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """:func:`to_device` of a small host array that stays the same from step to step (a layout's
+    offsets, sizes, targets ``k``, a band's bounds, a sample's sizes): copied once per content and
+    device, then reused. The device path copies such arrays at every selection; on a GPU each copy
+    costs the host a pinned allocation and a copy call, about as much as several kernels, and
+    selection is bound by the host's time per buffer. The tensor is shared: read it, never write
+    it."""
+    a = np.ascontiguousarray(a)
+    return _constant(a.dtype.str, a.shape, a.tobytes(), device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constant(dtype: str, shape: tuple[int, ...], data: bytes, device: torch.device) -> torch.Tensor:
+    return to_device(np.frombuffer(data, dtype=dtype).reshape(shape).copy(), device)
 
 
 def uses_triton(t: torch.Tensor) -> bool:

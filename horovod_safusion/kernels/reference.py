@@ -66,7 +66,7 @@ def kth_largest(values: torch.Tensor, groups: torch.Tensor, ks: torch.Tensor) ->
     nbits = 8 * values.element_size() - 1
     wide = torch.int64 if nbits > 31 else torch.int32  # float32 and narrower: int32 throughout
     bits = values.view(_SIGNED[values.element_size()]).to(wide) & ((1 << nbits) - 1)
-    groups = groups.to(wide if count << RADIX_BITS < 2 ** 31 else torch.int64)
+    groups = groups.to(wide if (count + 1) << RADIX_BITS < 2 ** 31 else torch.int64)
     prefix = torch.zeros(count, dtype=wide, device=values.device)
     need = ks.to(torch.int64)
     one = torch.ones(1, dtype=torch.int64, device=values.device).expand(values.numel())
@@ -76,10 +76,13 @@ def kth_largest(values: torch.Tensor, groups: torch.Tensor, ks: torch.Tensor) ->
         shift -= width
         bins = 1 << width
         high = shift + width  # bits at and above it are fixed by the prefix
-        keys = ((bits >> shift) & (bins - 1)).to(groups.dtype).add_(groups, alpha=bins)
-        keys.masked_fill_((bits >> high) != (prefix >> high)[groups], count * bins)  # a spare bin
-        hist = torch.zeros(count * bins + 1, dtype=torch.int64, device=values.device)
-        hist = hist.index_add_(0, keys, one)[:-1].view(count, bins)
+        # an element whose higher bits left its group's prefix is counted in a spare group, in
+        # the bin of its digit: with one spare bin, on a GPU, nearly every element's atomic add
+        # went to the same address, one after another
+        owner = torch.where((bits >> high) == (prefix >> high)[groups], groups, count)
+        keys = ((bits >> shift) & (bins - 1)).to(groups.dtype).add_(owner, alpha=bins)
+        hist = torch.zeros((count + 1) * bins, dtype=torch.int64, device=values.device)
+        hist = hist.index_add_(0, keys, one)[:count * bins].view(count, bins)
         at_or_above = hist.flip(1).cumsum(1).flip(1)  # per bin b: elements in bins >= b
         b = torch.clamp((at_or_above >= need[:, None]).sum(1) - 1, min=0)  # the highest b holding the k-th
         above = torch.cat([at_or_above, at_or_above.new_zeros(count, 1)], 1).gather(1, (b + 1)[:, None]).squeeze(1)

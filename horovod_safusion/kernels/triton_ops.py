@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import constant
 from .blocks import BlockTable
 
 _WORD_INT = {1: tl.int16, 2: tl.int32, 4: tl.int64}  # value words → the integer of the value's width
@@ -219,22 +220,14 @@ class _Targets:
             self.bounds, addresses = bounds, [t.data_ptr() for t in targets]
         self.segments = len(self.bounds) - 1
         self.log = int(np.ceil(np.log2(self.segments))) if self.segments > 1 else 0
-        self.bounds_t = _to_device(np.asarray(self.bounds, dtype=np.int64), device)
-        self.ptrs = _to_device(np.asarray(addresses, dtype=np.int64), device)
+        self.bounds_t = constant(np.asarray(self.bounds, dtype=np.int64), device)
+        self.ptrs = constant(np.asarray(addresses, dtype=np.int64), device)
         self.out_type = _OUT_TYPE[torch.float32 if self.half else self.dtype]
 
     def finish(self, bounds: np.ndarray) -> None:
         if self.half:
             for t, lo, hi in zip(self.targets, bounds[:-1].tolist(), bounds[1:].tolist()):
                 t.add_(self.acc[lo:hi].to(t.dtype))
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on ``device`` without waiting for the device (pinned, non-blocking)."""
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def scatter_add(values: torch.Tensor, indices: torch.Tensor, targets: tuple[torch.Tensor, ...], bounds: np.ndarray,
