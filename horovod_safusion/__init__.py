@@ -19,7 +19,7 @@ except ImportError as error:  # Horovod, torch or Numba missing or broken: the d
     doctor.fallback(error)  # returns unless this process runs that command
     raise
 
-elastic.register()  # hvd.elastic.TorchState handles this package's optimizers
+elastic.register(SAFusionOptimizer)  # hvd.elastic.TorchState handles this package's optimizers
 # Horovod's cycle time for a few buffers per step, unless one was chosen
 cycle.set_on_import = cycle.set_default()
 

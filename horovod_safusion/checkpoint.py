@@ -120,3 +120,26 @@ def gather(obj: Any, name: str, process_set: Any) -> list[Any]:
     gathered = hvd.allgather(data, name=collective(f"{name}.bytes"), process_set=process_set)
     return [torch.load(io.BytesIO(part.numpy().tobytes()))
             for part in torch.split(gathered, sizes.tolist())]
+
+
+def pack(controller: Any, profiler: Any, process_set: Any, all_ranks: bool) -> dict:
+    """What the optimizer's ``state_dict()`` adds under ``"safusion"``: per rank (this one, or all
+    with ``all_ranks``, a collective) the controller's rank state (residuals, momenta, compressor
+    and communicator state); for the job, the controller's state (step, loss scale, plan) and the
+    profiler's."""
+    size, rank = process_set.size(), process_set.rank()
+    local = controller.rank_state()
+    per_rank = dict(enumerate(gather(local, "saf.state_dict", process_set))) if all_ranks and size > 1 \
+        else {rank: local}
+    return {"format": 1, "world_size": size, "rank": rank, "all_ranks": bool(all_ranks or size == 1),
+            "ranks": per_rank, **controller.state_dict(), "profiler": profiler.state_dict()}
+
+
+def unpack(controller: Any, profiler: Any, saved: dict) -> None:
+    """Load what :func:`pack` saved (the profiler's state is ``"generator"`` in checkpoints of
+    version 0.1.0); where the plan could not be taken (another world size, other parameters), the
+    profiler profiles again, from the plan in use."""
+    plan_taken = controller.load_state_dict(saved, saved["ranks"], int(saved["world_size"]), bool(saved["all_ranks"]))
+    profiler.load_state_dict(saved["profiler"] if "profiler" in saved else saved["generator"])
+    if not plan_taken:
+        profiler.restart()

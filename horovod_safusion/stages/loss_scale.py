@@ -4,7 +4,7 @@ gradient, so a changing scale neither inflates nor shrinks them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -35,3 +35,25 @@ class LossScale:
     def end(self) -> None:
         """The step synchronised: its residuals are at its scale."""
         self.residuals = self._step
+
+
+def scaler_scale(scaler: Any) -> Callable[[], torch.Tensor | None] | None:
+    """A function returning the scale ``scaler`` (a ``torch.amp.GradScaler``, or ``None``)
+    multiplies the loss by now: :class:`LossScale`'s ``current``.
+
+    GradScaler keeps it in the 1-element tensor ``_scale`` (made by its first ``scale()``, updated
+    in place by ``update()``); reading the tensor, not ``get_scale()``, avoids a host
+    synchronisation on GPUs."""
+    if scaler is None:
+        return None
+    if not hasattr(scaler, "is_enabled") or not hasattr(scaler, "get_scale"):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler (or None), got {scaler!r}")
+
+    def scale():
+        if not scaler.is_enabled():
+            return None
+        current = getattr(scaler, "_scale", None)
+        if isinstance(current, torch.Tensor):
+            return current.detach().reshape(()).to(torch.float32).clone()
+        return torch.tensor(float(scaler.get_scale()), dtype=torch.float32)
+    return scale

@@ -248,7 +248,7 @@ def amp_run(comp, scaler_kind):
         opt = saf.DistributedOptimizer(base, named_parameters=model.named_parameters(), compressor=comp,
                                        density=0.1, profile_steps=2, **kw, dense=False, communicator="allgather",
                                        min_selected=0)  # no measured choice: the runs must repeat bit for bit
-        assert not kw or opt._controller.loss_scale.current is not None
+        assert not kw or opt.controller.loss_scale.current is not None
     scales = []
     for step in range(15):
         opt.zero_grad()
@@ -339,7 +339,7 @@ FREEZE, NO_BACKWARD, UNFREEZE, STEPS = 4, 6, 9, 12
 
 
 def momentum_of(opt, name, p):
-    ctl = opt._controller
+    ctl = opt.controller
     return ctl.momentum.momentum(name).clone() if ctl.momentum is not None else torch.zeros(0)
 
 
@@ -382,7 +382,7 @@ def frozen_runs(labels):
             F.cross_entropy(model(x), y).backward()
             acc = {n: computed.of(n, p) + before[n] for n, p in named}
             opt.step()
-            rec["dense_steps"].append(opt._controller.mode.dense)
+            rec["dense_steps"].append(opt.controller.mode.dense)
             if FREEZE <= step < UNFREEZE:
                 rec["frozen_moved"] = max([rec["frozen_moved"]] + [float((p.detach() - values[n]).abs().max())
                                                                    for n, p in frozen])

@@ -270,7 +270,7 @@ def scenario_density_choice():
         F.cross_entropy(m(x), y).backward()
         local.remove()
         opt.synchronize()
-        densities.append(opt._controller.mode.density)
+        densities.append(opt.controller.mode.density)
         acc = [b + local.grads[n] for b, (n, _) in zip(before, named)]
         worst = max(worst, conservation_diff(named, acc, residuals_of(opt, named)))
         with opt.skip_synchronize():
@@ -294,7 +294,7 @@ def scenario_dgc_techniques():
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), named_parameters=m.named_parameters(),
             compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False, min_selected=0,
             momentum_correction=True, local_clipping=5.0, warmup_steps=6, warmup_schedule=schedule)
-        ctl = opt._controller
+        ctl = opt.controller
         named = list(m.named_parameters())
         worst_cons, mask_violations, densities, dense_steps = 0.0, 0, [], []
         for step in range(9):
@@ -336,7 +336,7 @@ def scenario_ef21_sgdm():
         torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), named_parameters=m.named_parameters(),
         compressor="dgc", density=0.01, fusion=NaivePlanner(capacity_bytes=16384), dense=False, min_selected=0,
         error_feedback="ef21-sgdm", warmup_steps=3, warmup_schedule="dense")
-    ctl = opt._controller
+    ctl = opt.controller
     named = list(m.named_parameters())
     worst_cons, worst_buffer, sums = 0.0, 0.0, [torch.zeros(p.numel(), dtype=torch.float64) for _, p in named]
     for step in range(8):
@@ -480,7 +480,7 @@ def scenario_broadcast_and_skip():
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     lr = opt.param_groups[0]["lr"]
-    steps_after_broadcast = opt._controller.steps
+    steps_after_broadcast = opt.controller.steps
 
     ref_m, our_m = make(), make()
     ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
@@ -582,7 +582,7 @@ def scenario_generator_alignment():
         planners.append(opt.plan.planner)
     digests = hvd.allgather_object(opt.plan.digest(), name="gen.digest")
     profiles = hvd.allgather_object(json.dumps(opt.profile.to_dict(), sort_keys=True), name="gen.profile")
-    local = opt._profiler.local
+    local = opt.profiler.local
 
     # density 1 through a plan switch: identical to Horovod's dense optimizer at every step
     ref_m, our_m = make(), make()

@@ -55,7 +55,7 @@ def test_resume_through_a_weights_only_file_is_bit_identical(hvd, compressor):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt2.load_state_dict(ckpt["optimizer"])
-    assert opt2.plan == opt.plan and opt2._controller.steps == 5
+    assert opt2.plan == opt.plan and opt2.controller.steps == 5
     train(m2, opt2, 4, first=5)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 

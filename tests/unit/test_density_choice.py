@@ -105,6 +105,6 @@ def test_bad_densities_are_clear_errors(hvd):
     with pytest.raises(ValueError, match=r"chooses a sparse compressor's density; compressor .* sends every element"):
         make("auto", compressor="none")
     opt = make("auto")
-    assert opt.target_density == min(CANDIDATES) and opt._controller.densities == CANDIDATES  # provisional
+    assert opt.target_density == min(CANDIDATES) and opt.controller.densities == CANDIDATES  # provisional
     with pytest.raises(ValueError, match=r"selects at density 0.1, but this optimizer was given density=0.01"):
         make(0.01).set_plan(dataclasses.replace(opt.plan, density=0.1))

@@ -41,7 +41,7 @@ def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
                       momentum_correction=True)
     m = 0.9
     names = dict(model.named_parameters())
-    ctl = opt._controller
+    ctl = opt.controller
     sent_somewhere = 0
     for step in range(5):
         before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
@@ -79,7 +79,7 @@ def test_momentum_correction_keeps_u_where_the_gradient_is_not_finite(hvd, bad):
     overflows: the masked path then gives what the unmasked one would."""
     model, opt = make(compressor="topk", density=0.05, momentum_correction=True, momentum_masking=False)
     names = dict(model.named_parameters())
-    ctl = opt._controller
+    ctl = opt.controller
     for step in range(2):
         opt.zero_grad()
         backward(model, step)
@@ -174,7 +174,7 @@ def test_momentum_survives_a_new_plan_and_a_checkpoint(hvd):
         opt.zero_grad()
         backward(model, step)
         opt.step()
-    ctl = opt._controller
+    ctl = opt.controller
     momenta = {n: ctl.momentum.momentum(n).clone() for n, _ in model.named_parameters()}
     assert any(u.abs().sum() > 0 for u in momenta.values())
     opt.set_plan(saf.FusionPlan([[n] for n in opt.plan.names], order="ahead", planner="per-tensor"))
@@ -259,7 +259,7 @@ def test_warmup_sends_more_then_the_target(hvd, schedule):
 def test_momentum_correction_auto_is_on_for_sgd_with_momentum_and_sparse_gradients(hvd, build, on, masking):
     kw = dict(build)
     model, opt = make(momentum=kw.pop("momentum", 0.9), **kw)
-    assert opt._momentum_correction is on
+    assert opt.momentum_correction is on
     momentum = opt.local_momentum
     if on:
         assert momentum.masking is masking
@@ -272,7 +272,7 @@ def test_momentum_correction_auto_leaves_other_optimizers_alone_and_rejects_bad_
     model = DigitsCNN(width=4)
     opt = saf.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
                                    compressor="dgc", density=0.05)
-    assert opt._momentum_correction is False and opt.local_momentum is None
+    assert opt.momentum_correction is False and opt.local_momentum is None
     with pytest.raises(ValueError, match=r"momentum_correction must be True, False or 'auto', got 'on'"):
         saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), momentum_correction="on")

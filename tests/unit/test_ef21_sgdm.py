@@ -26,7 +26,7 @@ def test_ef21_sgdm_conserves_and_sums_what_was_sent(hvd, weight_decay):
     by ``lr`` times that buffer; the groups keep the user's values."""
     model, opt = make(weight_decay=weight_decay, compressor="topk", density=0.05)
     names = dict(model.named_parameters())
-    ctl = opt._controller
+    ctl = opt.controller
     for step in range(5):
         before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
         u_before = {n: ctl.momentum.momentum(n).clone() for n in names}

@@ -11,13 +11,13 @@ PACKAGE = ROOT.name
 
 #: Lowest first. A name stands for the module and, for a package, every module in it.
 LAYERS = (
-    ("foundation", ("announce", "registry", "requirements", "checkpoint", "clock", "cycle", "segment", "wire", "plan", "density", "residual", "observer", "session",
+    ("foundation", ("announce", "registry", "requirements", "checkpoint", "clock", "cycle", "segment", "wire", "plan", "density", "residual", "observer", "session", "options",
                     "timeline.trace")),
     ("kernels", ("kernels",)),
     ("algorithms", ("compressors", "fusion", "momentum", "warmup")),
     ("communicators", ("communicators",)),
     ("runtime", ("buffer", "stages", "controller", "sweeps", "trial", "profiling", "timeline")),
-    ("interface", ("optimizer", "elastic", "__main__", "doctor", "")),
+    ("interface", ("optimizer", "assembly", "joining", "elastic", "__main__", "doctor", "")),
 )
 
 

@@ -38,7 +38,7 @@ def test_profiles_once_by_default_and_replans_every_r_steps(hvd, tmp_path):
     m2 = DigitsCNN(width=8)
     opt2 = saf.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1), named_parameters=m2.named_parameters(),
                                     fusion=SAFusionPlanner(profile=Profile.load(tmp_path / "p.json")))
-    assert opt2.plan.planner == "safusion" and not opt2._profiler.active
+    assert opt2.plan.planner == "safusion" and not opt2.profiler.active
     assert [s[0] for s in train(opt2, m2, 2)] == ["safusion"] * 2
 
 

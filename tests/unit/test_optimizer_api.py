@@ -161,6 +161,21 @@ def test_broadcast_optimizer_state_does_not_synchronise(hvd):
     opt = saf.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), named_parameters=m.named_parameters())
     before = [p.detach().clone() for p in m.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert opt._controller.steps == 0  # the base class's step() initialised the state
+    assert opt.controller.steps == 0  # the base class's step() initialised the state
     assert len(opt.state_dict()["state"]) == len(before)
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_options_are_declared_once_for_signature_docstring_and_errors(hvd):
+    from dataclasses import fields
+    from horovod_safusion.options import Options
+    names = [f.name for f in fields(Options)]
+    params = inspect.signature(saf.DistributedOptimizer).parameters
+    assert [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == names
+    assert all(params[f.name].default == f.default for f in fields(Options))
+    assert all(f"        {n}:\n" in saf.DistributedOptimizer.__doc__ for n in names)
+    m, sgd = model_and_sgd()
+    with pytest.raises(TypeError, match="DistributedOptimizer\\(\\) got an unexpected keyword argument 'densty'"):
+        saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), densty=0.1)
+    with pytest.raises(ValueError, match="error_feedback must be one of 'classic', 'ef21-sgdm', got 'ef22'"):
+        saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), error_feedback="ef22")

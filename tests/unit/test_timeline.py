@@ -46,7 +46,7 @@ def train(tmp_path, timeline, steps=STEPS, model=None, **kw):
 def test_off_by_default_and_on_by_environment_variable(hvd, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     opt, _ = train(tmp_path, None, steps=1)
-    assert opt.timeline is None and opt._controller.observer is None
+    assert opt.timeline is None and opt.controller.observer is None
 
     monkeypatch.setenv(ENV, str(tmp_path / "env.json"))
     opt, _ = train(tmp_path, None, steps=3)
