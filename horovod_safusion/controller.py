@@ -290,6 +290,11 @@ class Controller:
                                     planner=plan.planner, dense=plan.dense, meta=plan.meta,
                                     dense_buffers=plan.dense_buffers))
 
+    def flats(self) -> list[torch.Tensor]:
+        """The fusion buffers' flat tensors: between steps they hold the residuals, which the
+        profile's compression sweep selects from (and leaves as they were)."""
+        return [b.flat for b in self.buffers]
+
     @property
     def device(self) -> torch.device:
         """The device of the fusion buffers (of the first one, where parameters are spread)."""

@@ -222,7 +222,7 @@ class OnlineProfiler:
         comp = controller.compressor
         comm = controller.communicator
         numels = [t.numel for t in tensors]
-        source = sweeps.sweep_source([b.flat for b in controller.buffers], max(numels), dtype, device)
+        source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
         cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source, controller.target_density)
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
         linked = not comp.dense and not comm.dense and process_set.size() > 1
@@ -239,35 +239,38 @@ class OnlineProfiler:
                                    if priced else ([], []))
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
-        slowest = _allreduce(ready + [prefix, suffix, per_segment] + cp_secs
-                             + [t for _, secs, seg in at_density for t in (*secs, seg)], hvd.Max, "saf.profile.max",
-                             process_set)
+        # each step's phases and each selection's time are the slowest rank's
+        slowest = reduce_by_name({"ready": ready, "prefix": [prefix], "suffix": [suffix], "segment_cost": [per_segment],
+                                  "compress": cp_secs,
+                                  **{f"compress@{d}": secs for d, (_, secs, _) in zip(candidates, at_density)},
+                                  **{f"segment_cost@{d}": [seg] for d, (_, _, seg) in zip(candidates, at_density)}},
+                                 hvd.Max, "saf.profile.max", process_set)
         # a message's size is the same on every rank (sweeps.communication_sweep); its time is
         # the fastest rank's, the one that did not wait for the others to arrive
-        fastest = iter(_allreduce([t for _, secs in swept.values() for t in secs] + dense_secs, hvd.Min,
-                                  "saf.profile.min", process_set))
-        curves = {name: CostCurve(nbytes, [next(fastest) for _ in secs]) for name, (nbytes, secs) in swept.items()}
-        dense_secs = list(fastest)
-        L, C = len(names), len(cp_secs)
-        ready, (prefix, suffix, per_segment), cp_secs = slowest[:L], slowest[L:L + 3], slowest[L + 3:L + 3 + C]
-        rest = iter(slowest[L + 3 + C:])
-        densities = {}
-        for d, (sizes, secs, _) in zip(candidates, at_density):
-            curve = CostCurve(sizes, [next(rest) for _ in secs])
-            densities[d] = (curve, next(rest))
-
-        order = sorted(range(L), key=lambda i: (ready[i], i))
+        fastest = reduce_by_name({**{f"communicate:{name}": secs for name, (_, secs) in swept.items()},
+                                  "dense_allreduce": dense_secs}, hvd.Min, "saf.profile.min", process_set)
+        curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
+        ready, cp_secs = slowest["ready"], slowest["compress"]
+        prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
+        densities = {d: (CostCurve(sizes, slowest[f"compress@{d}"]), slowest[f"segment_cost@{d}"][0])
+                     for d, (sizes, _, _) in zip(candidates, at_density)}
+        order = sorted(range(len(names)), key=lambda i: (ready[i], i))
         wire = sweeps.wire_bytes(comm.compression, {t.name: self.dtypes[t.name] for t in tensors})
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
-            workers=process_set.size(), dense_allreduce=CostCurve(dense_bytes, dense_secs) if priced else None,
+            workers=process_set.size(),
+            dense_allreduce=CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None,
             communicators=curves if chooses else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 
 
-def _allreduce(values: list[float], op: int, name: str, process_set: Any) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    return hvd.allreduce(t, op=op, name=collective(name), process_set=process_set).tolist()
+def reduce_by_name(records: dict[str, list[float]], op: int, name: str, process_set: Any) -> dict[str, list[float]]:
+    """Every record reduced across the ranks of ``process_set`` by ``op``, element by element, in
+    one allreduce (a collective). Every rank holds the same names with the same lengths, in the
+    same order (they come from the same plan and the same sweeps)."""
+    flat = torch.tensor([v for values in records.values() for v in values], dtype=torch.float64)
+    reduced = iter(hvd.allreduce(flat, op=op, name=collective(name), process_set=process_set).tolist())
+    return {key: [next(reduced) for _ in values] for key, values in records.items()}
