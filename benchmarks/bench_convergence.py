@@ -84,10 +84,10 @@ from models import LSTMLanguageModel  # noqa: E402
 
 sys.path.insert(0, HERE)
 from links import free_port  # noqa: E402
+from schemes import ddp_powersgd  # noqa: E402
 
 FUSIONS = ("safusion", "wfbp", "oktopk", "omgs", "cupcake")
 DENSITIES = (0.01, 0.001)
-POWERSGD_RANK = 4
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # within 1 accuracy point / 3 % perplexity of dense
 
 
@@ -218,15 +218,8 @@ def build(key: str, task: Task, seed: int, total_steps: int, args):
     if key == "horovod":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()), task.clip
-    if key == "ddp-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-        # One bucket: the hook starts its 2nd and 3rd allreduce from completion callbacks, and with
-        # several buckets Gloo ranks can start them in different orders (seen as an abort,
-        # "op.preamble.length <= op.nbytes", in a job that also ran Horovod).
-        mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=int(mb) + 1)
-        ddp.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-                                               start_powerSGD_iter=max(2, warmup)), P.powerSGD_hook)
+    if key == "ddp-powersgd":  # one bucket: this job also runs Horovod (schemes.ddp_powersgd)
+        ddp = ddp_powersgd(model, start_iter=max(2, warmup), one_bucket=True)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
     kw = parse_key(key)
     techniques = kw.pop("techniques")

@@ -128,7 +128,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link  # noqa: E402
+from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link, start_job  # noqa: E402
 
 PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
@@ -342,12 +342,12 @@ def build(key: str, kind: str, kwargs: dict, make_model, data, loss_fn, lr: floa
     if kind == "compute":
         opt = sgd(model.parameters())
     elif kind in ("ddp", "ddp-powersgd"):
-        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
         if kind == "ddp-powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-            model.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                                     start_powerSGD_iter=POWERSGD_START), P.powerSGD_hook)
+            from schemes import ddp_powersgd
+            model = ddp_powersgd(model, start_iter=POWERSGD_START)
             warmup = POWERSGD_START + 2  # past the start iteration, compressing for 2 steps
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
         opt = sgd(model.parameters())
     elif kind in ("horovod", "horovod-fp16"):
         import horovod.torch as hvd
@@ -545,8 +545,7 @@ def launch(job: Job, cmds: list[list[str]]) -> None:
         for cmd in cmds:
             log.write(" ".join(cmd) + "\n")
         log.flush()
-        job.procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                     for cmd in cmds]
+        job.procs = start_job(cmds, log, env)
 
 
 #: A worker's own error (an exception, Gloo's abort), then what a launcher says of a worker's end.

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -32,7 +31,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import check_link, cluster, kill_tree, launchers, limited_link  # noqa: E402
+from links import check_link, cluster, launchers, limited_link, run_job  # noqa: E402
 
 ROW_BYTES = 8  # a float32 value and an int32 index (horovod_safusion.wire)
 JOB_TIMEOUT_S = 900
@@ -71,17 +70,6 @@ def worker(args) -> None:
     if me == 0:
         with open(os.path.join(args.out, "job.json"), "w") as f:
             json.dump({"workers": size, "samples": samples}, f)
-
-
-def run_job(cmds: list[list[str]], log: str) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log, "w") as f:
-        procs = [subprocess.Popen(c, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True) for c in cmds]
-        try:
-            return max(abs(p.wait(timeout=JOB_TIMEOUT_S)) for p in procs)
-        except subprocess.TimeoutExpired:
-            kill_tree(procs)
-            return -1
 
 
 def summarise(samples: list, rows: list[int]) -> dict:
@@ -131,7 +119,9 @@ def main() -> None:
         worker_cmd = [os.path.abspath(__file__), "--worker", "--out", job_out, "--rounds", str(args.rounds),
                       "--alternations", str(args.alternations), "--rows", *map(str, args.rows)]
         with (cluster(hosts, link) if hosts else limited_link(link)) as prefix:
-            rc = run_job(launchers(worker_cmd, False, np_, hosts, prefix), os.path.join(job_out, "log.txt"))
+            codes = run_job(launchers(worker_cmd, False, np_, hosts, prefix), os.path.join(job_out, "log.txt"),
+                            dict(os.environ, OMP_NUM_THREADS="1"), JOB_TIMEOUT_S)
+            rc = -1 if codes is None else max(map(abs, codes))
         if rc:
             print(f"{label}, {link}: the job failed ({rc}); see {job_out}/log.txt", file=sys.stderr)
             continue

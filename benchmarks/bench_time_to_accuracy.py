@@ -46,7 +46,6 @@ import argparse
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -54,7 +53,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import check_link, cluster, kill_tree, launchers, limited_link  # noqa: E402
+from links import check_link, cluster, launchers, limited_link, run_job as run_launchers  # noqa: E402
 
 HOROVOD = ("horovod", "horovod-fp16")
 TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
@@ -63,7 +62,6 @@ OURS = {"safusion@0.01": {"density": 0.01}, "safusion@0.001+dgc": {"density": 0.
         "safusion@0.03": {"density": 0.03}}
 SCHEMES = (*HOROVOD, *TORCHRUN, "safusion@0.01", "safusion@0.001+dgc", "safusion@auto")  # the default run
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
-POWERSGD_RANK = 4
 JOB_TIMEOUT_S = 600  # the longest job (Horovod dense, LSTM at 200 Mbit/s) takes about 2 minutes; longer is a hang
 
 
@@ -78,12 +76,8 @@ def build(scheme: str, task, total_steps: int, args):
     sgd = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
     warmup = max(2, int(args.warmup_fraction * total_steps))
     if scheme in TORCHRUN:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-        mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        one_bucket = {"bucket_cap_mb": int(mb) + 1} if scheme == "ddp-powersgd-1bucket" else {}
-        ddp = torch.nn.parallel.DistributedDataParallel(model, **one_bucket)  # broadcasts rank 0's weights
-        ddp.register_comm_hook(P.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-                                               start_powerSGD_iter=warmup), P.powerSGD_hook)
+        from schemes import ddp_powersgd
+        ddp = ddp_powersgd(model, start_iter=warmup, one_bucket=scheme == "ddp-powersgd-1bucket")
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if scheme in HOROVOD:
@@ -153,23 +147,15 @@ def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str],
 
 def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
     """Run one job (its commands side by side); its result, or a record of why it failed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log, "w") as f:
-        procs = [subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                 for cmd in cmds]
-        try:
-            codes = [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired:  # a hang: the launchers, what they started and the workers go
-            kill_tree(procs, worker_pids(result))
-            codes = [p.returncode for p in procs]
-            f.write(f"\n*** killed after {JOB_TIMEOUT_S} s: a hang ***\n")
+    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1"), JOB_TIMEOUT_S, lambda: worker_pids(result))
     for name in glob.glob(f"{glob.escape(result)}.pid*"):
         os.remove(name)
-    if not any(codes) and os.path.exists(result):
+    if codes is not None and not any(codes) and os.path.exists(result):
         with open(result) as f:
             return json.load(f)
     with open(log) as f:
-        return {"failed": f"exit {max(codes, key=abs)}: " + f.read()[-600:]}
+        why = "a hang" if codes is None else f"exit {max(codes, key=abs)}"
+        return {"failed": f"{why}: " + f.read()[-600:]}
 
 
 def worker_pids(result: str) -> list[int]:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterable
+from typing import IO, Callable, Iterable
 
 LOOPBACK = "loopback"
 NAMESPACE = "safbench"  # a limited link's namespace: NAMESPACE<pid>x<n>
@@ -145,6 +145,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_job(cmds: list[list[str]], log: IO, env: dict[str, str]) -> list[subprocess.Popen]:
+    """Start a job's launcher commands side by side, each in a session of its own (so that
+    :func:`kill_tree` ends them and everything they start), their output to ``log``."""
+    return [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for cmd in cmds]
+
+
+def run_job(cmds: list[list[str]], log: str, env: dict[str, str], timeout: float,
+            pids: Callable[[], Iterable[int]] = tuple) -> list[int] | None:
+    """Run a job (:func:`start_job`, its output to the file ``log``) to its end: its launchers'
+    exit statuses, or ``None`` where one ran past ``timeout`` seconds — a hang: then the launchers,
+    what they started and the worker ``pids()`` (workers reached over ssh are no launcher's
+    children) are killed, and the log says so."""
+    with open(log, "w") as f:
+        procs = start_job(cmds, f, env)
+        try:
+            return [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            kill_tree(procs, pids())
+            f.write(f"\n*** killed after {timeout:g} s: a hang ***\n")
+            return None
 
 
 def kill_tree(procs: list[subprocess.Popen], pids: Iterable[int] = ()) -> None:
