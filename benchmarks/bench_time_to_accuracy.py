@@ -59,7 +59,7 @@ HOROVOD = ("horovod", "horovod-fp16")
 TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
 OURS = {"safusion@0.01": {"density": 0.01}, "safusion@0.001+dgc": {"density": 0.001, "dgc": True},
         "safusion@auto": {"density": "auto"}, "safusion@0.01+warmup": {"density": 0.01, "warmup": True},
-        "safusion@0.03": {"density": 0.03}}
+        "safusion@0.03": {"density": 0.03}, "safusion@0.1": {"density": 0.1}}
 SCHEMES = (*HOROVOD, *TORCHRUN, "safusion@0.01", "safusion@0.001+dgc", "safusion@auto")  # the default run
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
 JOB_TIMEOUT_S = 600  # the longest job (Horovod dense, LSTM at 200 Mbit/s) takes about 2 minutes; longer is a hang
