@@ -22,8 +22,8 @@ cluster on one machine (``scripts/cluster.sh``, every host's link limited):
   (``density=0.001`` with DGC's techniques: momentum correction with masking, a warm-up over the
   first 10 % of the steps, local clipping where the task clips), ``safusion@auto``
   (``density="auto"``) (horovodrun); on request (``--schemes``) also ``safusion@0.01+warmup``
-  (DGC's exponential warm-up alone, over the first 10 % of the steps) and ``safusion@0.03``
-  (``density=0.03``).
+  (DGC's exponential warm-up alone, over the first 10 % of the steps), ``safusion@0.03`` and
+  ``safusion@0.1`` (``density=0.03``, ``0.1``).
 
 The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy) and
 the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
