@@ -22,21 +22,23 @@ from the same initialisation on the same data order for every scheme and seed:
   as a Horovod user does (``synchronize()``, ``clip_grad_norm_``, ``step()`` under
   ``skip_synchronize()``), ``--lstm-epochs`` epochs; metric: validation perplexity (lower is better).
 
-Schemes (keys): ``horovod`` (``hvd.DistributedOptimizer``, dense); ``ddp-powersgd`` (PyTorch DDP
-with PowerSGD's hook, rank 4, dense for the warm-up's steps, one bucket; a ``torch.distributed``
-gloo group in the same processes); ``FUSION@DENSITY`` for each fusion planner in ``--fusions``
-and density in ``--densities`` with DGC's compressor (the default), and the same with ``+dgc``:
-``momentum_correction=True`` (with DGC's momentum factor masking), ``warmup_steps`` =
-``--warmup-fraction`` of the run (exponential schedule) and, where the task clips,
-``local_clipping`` at the same norm instead of the global clip; ``safusion@D+dgc+nomask`` the
-same without masking; ``safusion@0.01/COMPRESSOR`` for every other registered compressor.
-``--schemes`` also takes single techniques: ``+mc``, ``+nomask``, ``+clip``, ``+warmup``,
-``+densestart`` (the warm-up's steps sent dense, ``warmup_schedule="dense"``, as PowerSGD's
-``start_powerSGD_iter``), ``+ef21`` (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``:
-classic error feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or
-``+classic`` keeps the plugin's default (``momentum_correction="auto"``: DGC's correction without
-masking for this SGD). Ours always sparsify (``dense=False``), so the comparison is of the sparse
-algorithms.
+Schemes (labels of :mod:`schemes`' grammar, the same everywhere): ``horovod``
+(``hvd.DistributedOptimizer``, dense); ``ddp-powersgd-1bucket`` (PyTorch DDP with PowerSGD's
+hook, rank 4, dense for the warm-up's steps, one bucket — a ``torch.distributed`` gloo group in
+the same processes as Horovod, where DDP's default buckets abort); ``FUSION@DENSITY`` for each
+fusion planner in ``--fusions`` and density in ``--densities`` with DGC's compressor (the
+default), and the same with ``+dgc``: ``momentum_correction=True`` (with DGC's momentum factor
+masking), ``warmup_steps`` = ``--warmup-fraction`` of the run (exponential schedule) and, where the
+task clips, ``local_clipping`` at the same norm instead of the global clip;
+``safusion@D+dgc+nomask`` the same without masking; ``safusion@0.01/COMPRESSOR`` for every other
+registered compressor. ``--schemes`` also takes single techniques: ``+mc``, ``+nomask``,
+``+clip``, ``+warmup``, ``+densestart`` (the warm-up's steps sent dense,
+``warmup_schedule="dense"``, as PowerSGD's ``start_powerSGD_iter``), ``+ef21``
+(``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``: classic error
+feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or ``+classic`` keeps the
+plugin's default (``momentum_correction="auto"``: DGC's correction without masking for this
+SGD). This benchmark runs ours with ``dense=False`` (a label's ``:dense=...`` overrides it), so
+the comparison is of the sparse algorithms; rank 0 prints what each label resolved to.
 
 Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
 (excluding evaluation) is kept with each point. The report gives per scheme the median final
@@ -84,7 +86,7 @@ from models import LSTMLanguageModel  # noqa: E402
 
 sys.path.insert(0, HERE)
 from links import free_port  # noqa: E402
-from schemes import ddp_powersgd  # noqa: E402
+from schemes import Scheme, ddp_powersgd, describe, horovod_optimizer, our_optimizer, parse, print_resolved  # noqa: E402
 
 FUSIONS = ("safusion", "wfbp", "oktopk", "omgs", "cupcake")
 DENSITIES = (0.01, 0.001)
@@ -171,7 +173,7 @@ TASKS = {"digits": Digits, "lstm": LSTM}
 
 # ---- schemes ------------------------------------------------------------------------------------
 def scheme_keys(args) -> list[str]:
-    keys = ["horovod", "ddp-powersgd"]
+    keys = ["horovod", "ddp-powersgd-1bucket"]
     for fusion in args.fusions:
         for d in args.densities:
             keys += [f"{fusion}@{d:g}", f"{fusion}@{d:g}+dgc"]
@@ -181,63 +183,44 @@ def scheme_keys(args) -> list[str]:
     return keys
 
 
-TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor masking", "clip": "local clipping",
-              "warmup": "density warm-up", "densestart": "dense for the warm-up's steps (PowerSGD's start)",
-              "ef21": "EF21-SGDM error feedback",
-              "classic": "classic error feedback under the SGD's momentum"}
-DGC = {"mc", "clip", "warmup"}
+def resolve(key: str) -> Scheme:
+    """``key`` in :mod:`schemes`' grammar: ``horovod``, ``ddp-powersgd-1bucket`` or ours. DDP's
+    default buckets cannot run here: the job also runs Horovod, and with several buckets Gloo
+    ranks can start PowerSGD's allreduces in different orders (:func:`~schemes.ddp_powersgd`)."""
+    scheme = parse(key)
+    if scheme.peer not in (None, "horovod", "ddp-powersgd-1bucket"):
+        raise SystemExit(f"--schemes {key}: bench_convergence runs horovod, ddp-powersgd-1bucket and our schemes "
+                         "(DDP's default buckets cannot share a job with Horovod under Gloo; see bench_time_to_accuracy)")
+    return scheme
 
 
-def parse_key(key: str) -> dict:
-    """``fusion@density[/compressor][+technique...]`` → optimizer keyword arguments and the set of
-    DGC techniques (``+dgc`` is ``+mc+clip+warmup``, masking on)."""
-    body, *flags = key.split("+")
-    techniques = set()
-    for f in flags:
-        if f != "dgc" and f not in TECHNIQUES:
-            raise SystemExit(f"--schemes {key}: unknown technique +{f}; known: +dgc, "
-                             + ", ".join(f"+{t} ({d})" for t, d in TECHNIQUES.items()))
-        techniques |= DGC if f == "dgc" else {f}
-    fusion, _, rest = body.partition("@")
-    density, _, compressor = rest.partition("/")
-    if fusion not in saf.available_planners():
-        raise SystemExit(f"--schemes {key}: {fusion!r} is not a fusion planner; known: "
-                         f"{', '.join(saf.available_planners())}")
-    out = {"fusion": fusion, "density": float(density), "techniques": techniques}
-    if compressor:
-        out["compressor"] = compressor
-    return out
+def warmup_steps(total_steps: int, args) -> int:
+    """DGC's warm-up, a dense start and PowerSGD's dense start: ``--warmup-fraction`` of the run."""
+    return max(1, int(args.warmup_fraction * total_steps))
+
+
+def our_kwargs(scheme: Scheme, task: Task, total_steps: int, args) -> dict:
+    """Our optimizer's arguments: the label's, on this benchmark's defaults — ``dense=False`` (it
+    compares the sparse algorithms' learning) and ``--min-selected`` where given."""
+    defaults = {"dense": False}
+    if getattr(args, "min_selected", None) is not None:
+        defaults["min_selected"] = args.min_selected
+    return scheme.kwargs(warmup_steps=warmup_steps(total_steps, args), clip=task.clip, defaults=defaults)
 
 
 def build(key: str, task: Task, seed: int, total_steps: int, args):
     """(model, optimizer, clip after synchronize?) of one scheme, from the seed's initialisation."""
+    scheme = resolve(key)
     torch.manual_seed(seed)
     model = task.model()
     sgd = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
-    warmup = max(1, int(args.warmup_fraction * total_steps))
-    if key == "horovod":
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters()), task.clip
-    if key == "ddp-powersgd":  # one bucket: this job also runs Horovod (schemes.ddp_powersgd)
-        ddp = ddp_powersgd(model, start_iter=max(2, warmup), one_bucket=True)
+    if scheme.peer == "horovod":
+        return model, horovod_optimizer(scheme, sgd, model), task.clip
+    if scheme.peer is not None:  # one bucket: this job also runs Horovod
+        ddp = ddp_powersgd(model, start_iter=max(2, warmup_steps(total_steps, args)), one_bucket=True)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
-    kw = parse_key(key)
-    techniques = kw.pop("techniques")
-    extra = {"warmup_steps": warmup if techniques & {"warmup", "densestart"} else 0,
-             "warmup_schedule": "dense" if "densestart" in techniques else "exponential",
-             "error_feedback": "ef21-sgdm" if "ef21" in techniques else "classic"}
-    if "mc" in techniques:
-        extra.update(momentum_correction=True, momentum_masking="nomask" not in techniques)
-    elif "classic" in techniques:
-        extra["momentum_correction"] = False
-    if getattr(args, "min_selected", None) is not None:
-        extra["min_selected"] = args.min_selected
-    local = "clip" in techniques and task.clip is not None
-    if local:
-        extra["local_clipping"] = task.clip
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), dense=False, **kw, **extra)
-    return model, opt, None if local else task.clip
+    kw = our_kwargs(scheme, task, total_steps, args)
+    return model, our_optimizer(sgd, model, kw), None if scheme.clips_locally(kw) else task.clip
 
 
 def total_steps(task: Task, args) -> int:
@@ -686,8 +669,7 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = args.schemes or scheme_keys(args)
     for k in keys:
-        if k not in ("horovod", "ddp-powersgd"):
-            parse_key(k)
+        resolve(k)  # a malformed key stops here, before Horovod starts
 
     hvd.init()
     torch.set_num_threads(1)
@@ -699,6 +681,10 @@ def main() -> None:
     t_start = time.time()
     for model in args.models:
         task = TASKS[model](args, rank, size)
+        if rank == 0:
+            steps = total_steps(task, args)
+            print_resolved([describe(sc, our_kwargs(sc, task, steps, args) if sc.ours else None)
+                            for sc in map(resolve, keys)], f"{model}: schemes, as resolved")
         runs: dict = {k: {} for k in keys}
         with tqdm(total=len(keys) * len(args.seeds), desc=f"{model}", disable=rank != 0, file=sys.stdout,
                   dynamic_ncols=True) as bar:

@@ -36,6 +36,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, HERE)
+from schemes import Scheme, describe, parse, print_resolved  # noqa: E402
 
 #: glibc serves allocations from this size on as mappings of their own (fixed: by default it raises
 #: the threshold as large blocks are freed and serves them from the heap, whose pages stay resident
@@ -46,20 +48,12 @@ DEFAULT_SCHEMES = ("horovod", "safusion", "safusion:dense=false", "safusion:dens
                    "safusion:dense=false:communicator=spardl", "safusion:dense=false:communicator=zen")
 
 
-def parse_kwargs(token: str) -> dict:
-    name, *pairs = token.split(":")
-    kwargs: dict = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key == "density":
-            kwargs[key] = float(value)
-        elif key in ("profile_steps", "replan_every", "warmup_steps"):
-            kwargs[key] = int(value)
-        else:
-            kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
-    if name not in ("horovod", "safusion"):
-        kwargs.setdefault("fusion", name)
-    return kwargs
+def resolve(label: str) -> Scheme:
+    """``label`` in :mod:`schemes`' grammar; this benchmark measures Horovod's optimizer and ours."""
+    scheme = parse(label)
+    if scheme.peer not in (None, "horovod"):
+        raise SystemExit(f"--schemes {label}: bench_memory measures horovod and our optimizer, not {scheme.peer}")
+    return scheme
 
 
 def probe_model():
@@ -150,10 +144,11 @@ def worker(args) -> None:
     model = probe_model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if args.scheme == "horovod":
+    scheme = resolve(args.scheme)
+    if scheme.peer == "horovod":
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     else:
-        opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **parse_kwargs(args.scheme))
+        opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **scheme.kwargs())
     data = probe_data(rank, size, args.batch_size)
     rss, hwm, rise, losses = [], [], [], []
     peak = memory.rss()["hwm"]
@@ -264,6 +259,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    print_resolved([describe(resolve(label)) for label in args.schemes])  # a malformed label stops here
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, list[dict]] = {}
     for i, scheme in enumerate(args.schemes):

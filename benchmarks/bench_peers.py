@@ -15,16 +15,14 @@ Peers (each a key in the results):
                    arguments (the user's default; only ``profile_steps`` is passed, and only when
                    ``--profile-steps`` differs from the library default)
     wfbp           the same with fusion="wfbp" (one buffer per tensor)
-    density-0.001  the default at density=0.001
+    safusion@0.001 the default at density=0.001
 
-``--schemes`` picks a subset and adds variants written ``name:key=value:key=value``. A key in
-capitals (``HOROVOD_CYCLE_TIME=5``) is an environment variable of that job's launcher and workers,
-for any scheme; the other pairs are
-keyword arguments of ``horovod_safusion.DistributedOptimizer`` (``density`` is a float,
-``profile_steps``/``replan_every``/``min_selected`` ints, ``true``/``false`` booleans, the rest strings), laid
-over ``name``'s own arguments when ``name`` is one of our schemes above, or with ``fusion=name``
-when it names a fusion planner. The whole string is the variant's key, e.g.
-``safusion:compressor=topk:density=0.01``.
+``--schemes`` picks a subset and adds variants, each a label of :mod:`schemes`' one grammar
+(``fusion[@density][/compressor][+technique...][:key=value...]``; a key in capitals, such as
+``HOROVOD_CYCLE_TIME=5``, is an environment variable of that job's launcher and workers, for any
+scheme): ``safusion@0.01/topk`` and ``safusion:compressor=topk:density=0.01`` name the same
+scheme. The whole label is the scheme's key
+in the results; the driver prints what each resolved to before the first job.
 
 Models: ``resnet18`` (CIFAR ResNet-18, width 64: 11.2 M weights in 62 tensors; batch 16/worker of
 fixed random 3×32×32 images, SGD lr 0.01 momentum 0.9) and ``lstm`` (word-level 2-layer LSTM
@@ -129,17 +127,14 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link, start_job  # noqa: E402
+from schemes import TORCHRUN, Scheme, describe, parse, print_resolved  # noqa: E402
 
-PEERS = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd")
-TORCHRUN = ("compute", "ddp", "ddp-powersgd")  # started by torch.distributed.run; the rest by horovodrun
-OURS = {"safusion": {}, "wfbp": {"fusion": "wfbp"}, "density-0.001": {"density": 0.001}}
-DEFAULT_SCHEMES = (*PEERS, *OURS)
+DEFAULT_SCHEMES = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd", "safusion", "wfbp", "safusion@0.001")
 DENSE = ("horovod", "horovod-fp16", "ddp")
 VS = ("horovod", "horovod-fp16", "ddp", "ddp-powersgd")
 MODELS = ("resnet18", "lstm")
 DENSE_WARMUP = 3  # steps for the peers' first iterations (allocation, DDP's bucket rebuild)
 POWERSGD_START = 2  # PowerSGD's start_powerSGD_iter
-INT_KEYS = ("profile_steps", "replan_every", "min_selected")
 COLLECTIVE_TIMEOUT_S = 7200  # Gloo's timeout in every job: a job stays stopped while the others run
 POLL_S = 0.01  # how often a waiting worker looks for its next order
 MIN_TURN_TIMEOUT_S = 120.0
@@ -147,44 +142,9 @@ QUIT_TIMEOUT_S = 120.0  # for a job to exit once told to
 
 
 # ---- schemes ----------------------------------------------------------------------------------
-ENV_KEY = re.compile(r"[A-Z][A-Z0-9_]*")  # a scheme's pair with such a key is an environment variable
-
-
-def scheme_env(token: str) -> dict[str, str]:
-    """The environment variables a scheme's ``KEY=value`` pairs give its job."""
-    pairs = (pair.partition("=") for pair in token.split(":")[1:])
-    return {key: value for key, _, value in pairs if ENV_KEY.fullmatch(key)}
-
-
-def parse_scheme(token: str) -> tuple[str, str, dict]:
-    """``token`` -> (key, kind, kwargs); kind is a peer's name or ``"saf"`` for our optimizer.
-    Environment pairs (:func:`scheme_env`) are not among the kwargs."""
-    name, *pairs = token.split(":")
-    pairs = [pair for pair in pairs if not ENV_KEY.fullmatch(pair.partition("=")[0])]
-    if name in PEERS and not pairs:
-        return token, name, {}
-    if name in OURS and not pairs:
-        return token, "saf", dict(OURS[name])
-    if token == name:
-        raise SystemExit(f"--schemes {token}: unknown scheme; known: {', '.join(DEFAULT_SCHEMES)}, "
-                         "or name:key=value:... for horovod_safusion.DistributedOptimizer arguments")
-    if name in PEERS:
-        raise SystemExit(f"--schemes {token}: key=value options are for our optimizer, not for {name}")
-    kwargs = dict(OURS.get(name, {"fusion": name}))
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--schemes {token}: {pair!r} is not key=value")
-        try:
-            if key == "density":
-                kwargs[key] = value if value == "auto" else float(value)
-            elif key in INT_KEYS:
-                kwargs[key] = int(value)
-            else:  # true/false become booleans (e.g. dense=false), anything else stays a string
-                kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
-        except ValueError:
-            raise SystemExit(f"--schemes {token}: {key}={value!r} is not a number") from None
-    return token, "saf", kwargs
+def kind_of(scheme: Scheme) -> str:
+    """How the job builds and launches ``scheme``: the peer's name, or ``"saf"`` for ours."""
+    return scheme.peer or "saf"
 
 
 # ---- the control directory (both sides) -------------------------------------------------------
@@ -330,46 +290,46 @@ def make_task(name: str, rank: int, size: int, args):
     raise SystemExit(f"--models {name}: unknown model; known: {', '.join(MODELS)}")
 
 
-def build(key: str, kind: str, kwargs: dict, make_model, data, loss_fn, lr: float, args) -> Run:
-    """The model and optimizer of one scheme, ready for its warm-up."""
-    import inspect
-    import torch
+def ours_kwargs(scheme: Scheme, args) -> dict:
+    """Our optimizer's arguments for ``scheme``: its label's, plus ``profile_steps`` where
+    ``--profile-steps`` differs from the library's default (a warm-up technique covers
+    :data:`DENSE_WARMUP` steps)."""
+    defaults = {"profile_steps": args.profile_steps} if args.profile_steps != default_profile_steps() else {}
+    return scheme.kwargs(warmup_steps=DENSE_WARMUP, defaults=defaults)
 
+
+def default_profile_steps() -> int:
+    import inspect
+    import horovod_safusion as saf
+
+    return inspect.signature(saf.DistributedOptimizer).parameters["profile_steps"].default
+
+
+def build(scheme: Scheme, make_model, data, loss_fn, lr: float, args) -> Run:
+    """The model and optimizer of one scheme, ready for its warm-up."""
+    import torch
+    from schemes import ddp_powersgd, horovod_optimizer, our_optimizer
+
+    kind = kind_of(scheme)
     torch.manual_seed(args.seed)
     model = make_model()
     sgd = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
     warmup = DENSE_WARMUP
     if kind == "compute":
         opt = sgd(model.parameters())
-    elif kind in ("ddp", "ddp-powersgd"):
-        if kind == "ddp-powersgd":
-            from schemes import ddp_powersgd
-            model = ddp_powersgd(model, start_iter=POWERSGD_START)
-            warmup = POWERSGD_START + 2  # past the start iteration, compressing for 2 steps
-        else:
-            model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+    elif kind in ("ddp-powersgd", "ddp-powersgd-1bucket"):
+        model = ddp_powersgd(model, start_iter=POWERSGD_START, one_bucket=kind == "ddp-powersgd-1bucket")
+        warmup = POWERSGD_START + 2  # past the start iteration, compressing for 2 steps
+        opt = sgd(model.parameters())
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
         opt = sgd(model.parameters())
     elif kind in ("horovod", "horovod-fp16"):
-        import horovod.torch as hvd
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        compression = hvd.Compression.fp16 if kind == "horovod-fp16" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
-                                       compression=compression)
-    elif kind == "saf":
-        import horovod.torch as hvd
-        import horovod_safusion as saf
-        kwargs = dict(kwargs)
-        default = inspect.signature(saf.DistributedOptimizer).parameters["profile_steps"].default
-        if "profile_steps" not in kwargs and args.profile_steps != default:
-            kwargs["profile_steps"] = args.profile_steps
-        if kwargs.get("fusion") not in (None, *saf.available_planners()):
-            raise SystemExit(f"--schemes {key}: fusion {kwargs['fusion']!r} is not a planner; known: "
-                             f"{', '.join(saf.available_planners())}")
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = saf.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(), **kwargs)
-        warmup = kwargs.get("profile_steps", default) + 3  # 1 warm-up + profile, re-plan, 2 more
+        opt = horovod_optimizer(scheme, sgd(model.parameters()), model)
     else:
-        raise AssertionError(kind)
+        kwargs = ours_kwargs(scheme, args)
+        opt = our_optimizer(sgd(model.parameters()), model, kwargs)
+        warmup = kwargs.get("profile_steps", default_profile_steps()) + 3  # 1 warm-up + profile, re-plan, 2 more
     return Run(kind, model, opt, data, loss_fn, warmup)
 
 
@@ -471,7 +431,8 @@ def worker(args) -> None:
     """One worker of one job: build, warm up, report warm, then run the rounds the driver orders."""
     import torch
 
-    key, kind, kwargs = parse_scheme(args.schemes[0])
+    scheme = parse(args.schemes[0])
+    kind = kind_of(scheme)
     ctl = Control(args.job_dir)
     torch.set_num_threads(1)
     rank, size, barrier, leave = join(kind)
@@ -479,7 +440,7 @@ def worker(args) -> None:
     core = pin_threads(rank) if args.pin else None
     memory = memory_module()
     make_model, data, loss_fn, lr = make_task(args.models[0], rank, size, args)
-    run = build(key, kind, kwargs, make_model, data, loss_fn, lr, args)
+    run = build(scheme, make_model, data, loss_fn, lr, args)
     times = run.warm_up()
     weights = list(run.model.parameters())
     ctl.write(f"warm.{rank}", {
@@ -535,7 +496,7 @@ def commands(job: Job, model: str, args, prefix: list[str]) -> list[list[str]]:
 
 def launch(job: Job, cmds: list[list[str]]) -> None:
     """Start the job's launchers, each in a session of its own, their output to the job's log."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **scheme_env(job.key))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **parse(job.key).env)
     if job.kind not in TORCHRUN:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_S)
     elif len(cmds) > 1:
@@ -700,7 +661,7 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
     name = lambda key: slug(f"{link}-{model}-{key}")  # noqa: E731
     jobs = [Job(key, kind, Control(os.path.join(args.out, "ctl", name(key))),
                 os.path.join(args.out, "logs", f"{name(key)}.log"), args.np)
-            for key, kind, _ in map(parse_scheme, args.schemes)]
+            for key, kind in ((s.label, kind_of(s)) for s in map(parse, args.schemes))]
     references = [job for job in jobs if job.key in REFERENCES]
     orders, rounds = [], 0
     try:
@@ -744,20 +705,16 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
             "jobs": {job.key: collect(job, rounds) for job in jobs}}
 
 
-def check_schemes(tokens: list[str]) -> None:
-    """Stop before any job on a malformed scheme or an unknown planner or compressor name."""
-    parsed = [parse_scheme(t) for t in tokens]
-    if not any(":" in key for key, _, _ in parsed):
-        return
-    import horovod_safusion as saf
-    for key, _, kw in parsed:
-        for option, known in (("fusion", saf.available_planners()), ("compressor", saf.available_compressors())):
-            if isinstance(kw.get(option), str) and kw[option] not in known:
-                raise SystemExit(f"--schemes {key}: {option} {kw[option]!r} is unknown; known: {', '.join(known)}")
+def check_schemes(args) -> None:
+    """Parse every label before any job (a malformed one stops here), and print what each resolved to."""
+    lines = []
+    for scheme in map(parse, args.schemes):
+        lines.append(describe(scheme, ours_kwargs(scheme, args) if scheme.ours else None))
+    print_resolved(lines)
 
 
 def drive(args) -> None:
-    check_schemes(args.schemes)  # before any job
+    check_schemes(args)  # before any job
     for link in args.links:
         check_link(link)  # before the first job, not after it
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
@@ -853,8 +810,8 @@ def summarise(jobs: dict) -> dict:
                 best = [{"round": rnd, "wall": min(w[rnd] for w in walls)} for rnd in common]
                 out["speedups"]["best dense"] = ratios(best, rounds["safusion"])
                 out["best_dense_of"] = dense
-        if "density-0.001" in rounds:
-            out["density-0.001_vs_safusion"] = ratios(rounds["safusion"], rounds["density-0.001"])
+        if "safusion@0.001" in rounds:
+            out["safusion@0.001_vs_safusion"] = ratios(rounds["safusion"], rounds["safusion@0.001"])
     return out
 
 
@@ -919,9 +876,9 @@ def report(results: dict, args) -> dict:
                 print(f"{k}: {how}, {info.get('buffers')} buffers, {info.get('bytes_sent', 0) / 1e6:.2f} MB sent per "
                       f"step by rank 0" + (f"; predicted s/it {', '.join(f'{o} {t:.3f}' for o, t in options.items())}"
                                            if options else ""))
-            if "density-0.001_vs_safusion" in s:
-                print(f"density-0.001 vs safusion = safusion s/it / density-0.001 s/it: "
-                      f"{fx(s['density-0.001_vs_safusion'])}")
+            if "safusion@0.001_vs_safusion" in s:
+                print(f"safusion@0.001 vs safusion = safusion s/it / safusion@0.001 s/it: "
+                      f"{fx(s['safusion@0.001_vs_safusion'])}")
     return summary
 
 
@@ -945,7 +902,7 @@ def plot(summary: dict, path: str) -> None:
         med = np.array([s["schemes"][k]["wall"]["median"] for k in keys])
         lo = med - np.array([s["schemes"][k]["wall"]["min"] for k in keys])
         hi = np.array([s["schemes"][k]["wall"]["max"] for k in keys]) - med
-        colors = ["0.6" if k == "compute" else "C3" if k in OURS or ":" in k else "C0" for k in keys]
+        colors = ["0.6" if k == "compute" else "C3" if parse(k).ours else "C0" for k in keys]
         ax.bar(range(len(keys)), med, yerr=[lo, hi], capsize=3, color=colors)
         for i, m in enumerate(med):
             ax.annotate(f"{m:.2f}", (i, m), xytext=(3, 2), textcoords="offset points", fontsize=6)

@@ -6,9 +6,9 @@ The driver launches one ``horovodrun -np N --gloo`` job per link speed: first on
 loopback, then — for each ``--rates`` value — inside a fresh network namespace whose loopback is
 limited with ``tc qdisc ... tbf`` (needs root; :mod:`links` keeps the bucket's burst above the
 64 KiB loopback MTU).
-In each job every scheme of :mod:`schemes` trains the same model (a CIFAR-style ResNet-18, 62
-parameter tensors) on real data (scikit-learn's digits) for every density, in interleaved
-repetitions so that machine noise hits all alike; each run warms up (profiling and re-planning for
+In each job every fusion scheme (:data:`SCHEMES`, built by :mod:`schemes`) trains the same model
+(a CIFAR-style ResNet-18, 62 parameter tensors) on real data (scikit-learn's digits) for every
+density, in interleaved repetitions so that machine noise hits all alike; each run warms up (profiling and re-planning for
 the profiled planners) before its timed steps. The tables give samples/s (median over
 repetitions; the job is as fast as its slowest rank), the ratio to ``wfbp`` and to the best other
 scheme; a PNG and a JSON file go to ``--out``.
@@ -27,7 +27,19 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from links import check_link, limited_link  # noqa: E402
-from schemes import SCHEMES, batch, make_optimizer  # noqa: E402
+from schemes import batch, describe, horovod_optimizer, our_optimizer, parse, print_resolved  # noqa: E402
+
+#: the fusion schemes compared (SAFusion §5); ``horovod`` is Horovod's own optimizer, dense.
+SCHEMES = ("horovod", "wfbp", "oktopk", "omgs", "cupcake", "safusion")
+
+
+def label(fusion: str, density: float | None, args) -> str:
+    """The scheme's label in :mod:`schemes`' grammar: Horovod, or ``fusion`` with the run's
+    compressor at ``density`` (every sparse scheme the same compressor, density and error feedback,
+    so that only ``fusion=`` differs)."""
+    if fusion == "horovod":
+        return "horovod"
+    return f"{fusion}@{density:g}/{args.compressor}:profile_steps={args.profile_steps}"
 
 
 def worker(args) -> None:
@@ -51,8 +63,9 @@ def worker(args) -> None:
             for scheme, density in runs:
                 torch.manual_seed(args.seed)
                 model = resnet18(width=args.width)
-                opt = make_optimizer(scheme, model, 0.01, args.compressor, density or 1.0, args.profile_steps)
-                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                sc = parse(label(scheme, density, args))
+                sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                opt = horovod_optimizer(sc, sgd, model) if sc.peer else our_optimizer(sgd, model, sc.kwargs())
                 warm = 1 + args.profile_steps + 2
                 times = []
                 for step in range(warm + args.steps):
@@ -75,22 +88,24 @@ def worker(args) -> None:
 
 
 def drive(args) -> None:
+    print_resolved([describe(parse(label(f, d, args))) for d in args.densities for f in args.schemes
+                    if f != "horovod" or d == args.densities[0]])  # a malformed one stops here
     for rate in args.rates:
         check_link(rate, option="--rates")  # before the first job, not after it
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for rate in [None, *args.rates]:
-        label = rate or "loopback"
-        result = os.path.join(args.out, f"raw-{label}.json")
+        link = rate or "loopback"
+        result = os.path.join(args.out, f"raw-{link}.json")
         cmd = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
                sys.executable, os.path.abspath(__file__), "--worker", "--result", result,
                *sum(([f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
                      for k, v in vars(args).items() if k in WORKER_ARGS), [])]
-        print(f"== {label}: {' '.join(cmd[:6])} ...", flush=True)
+        print(f"== {link}: {' '.join(cmd[:6])} ...", flush=True)
         with limited_link(rate, option="--rates") as prefix:
             subprocess.run(prefix + cmd, check=True)
         with open(result) as f:
-            results[label] = json.load(f)
+            results[link] = json.load(f)
     rows = report(results, args)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -18,12 +18,13 @@ cluster on one machine (``scripts/cluster.sh``, every host's link limited):
   hook's callbacks can start their allreduces in different orders on different ranks, and the
   job aborts (``op.preamble.length <= op.nbytes``; the LSTM's default buckets did, every seed);
 * ours, ``horovod_safusion.DistributedOptimizer`` with its defaults (``dense="auto"``,
-  ``communicator="auto"``) and: ``safusion@0.01`` (``density=0.01``), ``safusion@0.001+dgc``
-  (``density=0.001`` with DGC's techniques: momentum correction with masking, a warm-up over the
-  first 10 % of the steps, local clipping where the task clips), ``safusion@auto``
-  (``density="auto"``) (horovodrun); on request (``--schemes``) also ``safusion@0.01+warmup``
-  (DGC's exponential warm-up alone, over the first 10 % of the steps), ``safusion@0.03`` and
-  ``safusion@0.1`` (``density=0.03``, ``0.1``).
+  ``communicator="auto"``) and what the label gives (:mod:`schemes`' grammar, the same in every
+  benchmark): ``safusion@0.01`` (``density=0.01``), ``safusion@0.001+dgc`` (``density=0.001``
+  with DGC's techniques: momentum correction with masking, a warm-up over the first 10 % of the
+  steps, local clipping where the task clips), ``safusion@auto`` (``density="auto"``)
+  (horovodrun); on request (``--schemes``) any other label, e.g. ``safusion@0.01+warmup`` (DGC's
+  exponential warm-up alone, over the first 10 % of the steps), ``safusion@0.03`` or
+  ``safusion@0.1+densestart``. The driver prints what each label resolved to before the first job.
 
 The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy) and
 the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
@@ -54,46 +55,51 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from links import check_link, cluster, launchers, limited_link, run_job as run_launchers  # noqa: E402
+from schemes import PerTask, describe, parse, print_resolved  # noqa: E402
 
-HOROVOD = ("horovod", "horovod-fp16")
-TORCHRUN = ("ddp-powersgd", "ddp-powersgd-1bucket")
-OURS = {"safusion@0.01": {"density": 0.01}, "safusion@0.001+dgc": {"density": 0.001, "dgc": True},
-        "safusion@auto": {"density": "auto"}, "safusion@0.01+warmup": {"density": 0.01, "warmup": True},
-        "safusion@0.03": {"density": 0.03}, "safusion@0.1": {"density": 0.1}}
-SCHEMES = (*HOROVOD, *TORCHRUN, "safusion@0.01", "safusion@0.001+dgc", "safusion@auto")  # the default run
+SCHEMES = ("horovod", "horovod-fp16", "ddp-powersgd", "ddp-powersgd-1bucket", "safusion@0.01", "safusion@0.001+dgc",
+           "safusion@auto")  # the default run
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
 JOB_TIMEOUT_S = 600  # the longest job (Horovod dense, LSTM at 200 Mbit/s) takes about 2 minutes; longer is a hang
 
 
 # ---- a worker: one scheme, one seed, in its own job -------------------------------------------
-def build(scheme: str, task, total_steps: int, args):
+def warmup_steps(total_steps: int, args) -> int:
+    """PowerSGD's dense start and our warm-ups: ``--warmup-fraction`` of the run's steps."""
+    return max(2, int(args.warmup_fraction * total_steps))
+
+
+def build(label: str, task, total_steps: int, args):
     """(model, optimizer, clip of the aggregate gradient or None) as the scheme's users build them."""
     import torch
-    import horovod.torch as hvd
+    from schemes import ddp_powersgd, horovod_optimizer, our_optimizer
 
+    scheme = parse(label)
     torch.manual_seed(args.seed)
     model = task.model()
     sgd = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
-    warmup = max(2, int(args.warmup_fraction * total_steps))
-    if scheme in TORCHRUN:
-        from schemes import ddp_powersgd
-        ddp = ddp_powersgd(model, start_iter=warmup, one_bucket=scheme == "ddp-powersgd-1bucket")
+    if scheme.torchrun:
+        ddp = ddp_powersgd(model, start_iter=warmup_steps(total_steps, args),
+                           one_bucket=scheme.peer == "ddp-powersgd-1bucket")
         return ddp, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9), task.clip
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if scheme in HOROVOD:
-        compression = hvd.Compression.fp16 if scheme == "horovod-fp16" else hvd.Compression.none
-        return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                               compression=compression), task.clip
-    import horovod_safusion as saf
-    kw = dict(OURS[scheme])
-    clip = task.clip
-    if kw.pop("warmup", False):
-        kw["warmup_steps"] = warmup
-    if kw.pop("dgc", False):
-        kw.update(momentum_correction=True, warmup_steps=warmup)
-        if task.clip is not None:
-            kw["local_clipping"], clip = task.clip, None
-    return model, saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kw), clip
+    if scheme.peer is not None:
+        return model, horovod_optimizer(scheme, sgd, model), task.clip
+    kw = scheme.kwargs(warmup_steps=warmup_steps(total_steps, args), clip=task.clip)
+    return model, our_optimizer(sgd, model, kw), None if scheme.clips_locally(kw) else task.clip
+
+
+def check_schemes(labels: list[str], args) -> None:
+    """Parse every label before any job, and print what each resolved to; DDP alone (``ddp``,
+    ``compute``) is no scheme to time to accuracy here."""
+    lines = []
+    for scheme in map(parse, labels):
+        if scheme.peer in ("ddp", "compute"):
+            raise SystemExit(f"--schemes {scheme.label}: bench_time_to_accuracy runs horovod, horovod-fp16, "
+                             "ddp-powersgd, ddp-powersgd-1bucket and our schemes")
+        lines.append(describe(scheme, None if not scheme.ours else
+                              scheme.kwargs(warmup_steps=PerTask(f"<{args.warmup_fraction:g} of the steps>"),
+                                            clip=PerTask("<the task's clip norm, if it clips>"))))
+    print_resolved(lines)
 
 
 def chosen(opt) -> dict:
@@ -109,12 +115,12 @@ def worker(args) -> None:
     import torch
     from bench_convergence import TASKS, fit
 
-    if args.scheme in TORCHRUN:
+    if parse(args.scheme).torchrun:
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size, leave = dist.get_rank(), dist.get_world_size(), dist.destroy_process_group
     else:
-        if args.scheme in OURS:
+        if parse(args.scheme).ours:
             import horovod_safusion  # noqa: F401  imported before hvd.init(), as a user's script does
         import horovod.torch as hvd
         hvd.init()
@@ -142,7 +148,7 @@ def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str],
     worker_cmd = [os.path.abspath(__file__), "--worker", "--model", model, "--scheme", scheme, "--seed", str(seed),
                   "--result", result,
                   *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in TRAINING_ARGS), [])]
-    return launchers(worker_cmd, scheme in TORCHRUN, args.np, args.hosts, prefix)
+    return launchers(worker_cmd, parse(scheme).torchrun, args.np, args.hosts, prefix)
 
 
 def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
@@ -274,6 +280,7 @@ def drive(args) -> None:
     from tqdm import tqdm
     from bench_convergence import TASKS
 
+    check_schemes(args.schemes, args)  # before any job
     for link in args.links:
         check_link(link)
     os.makedirs(args.out, exist_ok=True)
@@ -319,7 +326,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["digits", "lstm"], choices=["digits", "lstm"])
     ap.add_argument("--links", nargs="+", default=["200mbit", "1gbit"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=[*HOROVOD, *TORCHRUN, *OURS])
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     ap.add_argument("--np", type=int, default=2, help="workers on one host")
     ap.add_argument("--hosts", type=int, default=0,
                     help="instead: this many hosts of a cluster on one machine (scripts/cluster.sh), one worker "

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 
 from . import kernels
-from .communicators import Pending, Target
-from .compressors.device import SegmentStats
 from .residual import ResidualStore, holds
 from .segment import Segments
 
 
 class FusionBuffer:
-    """One fusion buffer: its parameters, their segments of one flat tensor, and its state.
+    """One fusion buffer: its parameters, their segments of one flat tensor, and the planes that
+    live across steps. What one step makes of it is a record of its own
+    (:mod:`horovod_safusion.stages.record`).
 
     Attributes:
         segments: one segment per tensor, in the plan's order.
@@ -65,25 +65,7 @@ class FusionBuffer:
         self.bounds = np.append(self.segments.offset_array, self.numel)  # the segments' bounds
         self.flat: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
-        self.filled: set[int] = set()
-        self.grads: list[torch.Tensor | None] = [None] * len(self.names)  # where the step's result goes
-        self.target: Target | None = None
-        self.pending: Pending | None = None
-        self.indices: torch.Tensor | None = None  # what the last launch selected
-        self.values: torch.Tensor | None = None  # what it sent for them (after wire rounding)
-        self.dropped: "int | torch.Tensor" = 0  # non-finite gradient elements the fill dropped (a device count)
-        self.poisoned = False  # this rank's gradient had non-finite elements (decided at launch)
-        self.stats: SegmentStats | None = None  # taken while filling (the device path's Triton kernels)
         self.siblings = [weakref.ref(self)]  # the plan's buffers allocated together (link())
-        # (slot, residual, momentum) set aside while the collective runs: no gradient here this step
-        self.aside: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
-
-    def reset(self) -> None:
-        """Forget the step in flight (after synchronize, or when a step is abandoned)."""
-        self.pending, self.indices, self.values, self.poisoned, self.stats = None, None, None, False, None
-        self.dropped, self.target, self.aside = 0, None, []
-        self.grads = [None] * len(self.names)
-        self.filled.clear()
 
     def segment(self, slot: int) -> slice:
         off = self.segments.offsets[slot]

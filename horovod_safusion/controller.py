@@ -63,6 +63,7 @@ from .stages.fill import Filler
 from .stages.flags import StepFlags, poison
 from .stages.loss_scale import LossScale
 from .stages.mode import StepMode
+from .stages.record import Filling, InFlight
 from .stages.select import Selection, selection_for
 from .stages.send import Sender
 from .warmup import DensityWarmup
@@ -145,7 +146,13 @@ class Controller:
         self._selections: list[Selection] = [selection_for(b, self.compressor, self.communicator.compression)
                                              for b in self.buffers]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
+        self._clear_records()
         self.gather()
+
+    def _clear_records(self) -> None:
+        """Forget the step's records: per buffer its fill, and its collective once started."""
+        self._filling: list[Filling | None] = [None] * len(self.buffers)
+        self._flight: list[InFlight | None] = [None] * len(self.buffers)
 
     def _use(self, name: str | None) -> None:
         """Send sparse buffers over the communicator ``name`` from now on (``None``: the one in use)."""
@@ -337,10 +344,10 @@ class Controller:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers
         already filled hold their gradient in their residuals, and residuals set aside go back;
         Horovod elastic's restore then loads the residuals of the last commit."""
-        for buf in self.buffers:
-            if buf.flat is not None:
-                self.filler.restore(buf)
-            buf.reset()
+        for buf, filling in zip(self.buffers, self._filling):
+            if filling is not None and buf.flat is not None:
+                self.filler.restore(buf, filling)
+        self._clear_records()
         self.write_back.clear()
         self._step_open = False
 
@@ -348,40 +355,46 @@ class Controller:
     def grad_ready(self, p: torch.Tensor) -> None:
         """Add ``p``'s gradient to its residual in its buffer; launch the buffer when full."""
         buf, slot = self._slot[id(p)]
-        if slot in buf.filled:
+        filling = self._filling[buf.index]
+        if filling is not None and slot in filling.filled:
             return
         if not self._step_open:
             self._open_step()
         obs = self.observer
         t = obs.mark() if obs else None
-        self._fill(buf, slot)
-        if len(buf.filled) == len(buf.names):
-            self._launch(buf)
+        filling = self._fill(buf, slot)
+        if filling.full:
+            self._launch(buf, filling)
         if obs:
             obs.span(GRADIENT_READY, t, tensor=buf.names[slot])
 
-    def _fill(self, buf: FusionBuffer, slot: int, arrived: bool = True) -> None:
+    def _fill(self, buf: FusionBuffer, slot: int, arrived: bool = True) -> Filling:
+        """Fill tensor ``slot`` of ``buf`` (opening the buffer's record of this step); returns
+        the record."""
         obs = self.observer
         t = obs.mark() if obs else None
-        self.filler.fill(buf, slot, self.mode, self.flags, self.write_back, arrived)
+        filling = self._filling[buf.index]
+        if filling is None:
+            filling = self._filling[buf.index] = self.filler.begin(buf, self.mode)
+        self.filler.fill(buf, filling, slot, self.mode, self.flags, self.write_back, arrived)
         if obs:
             obs.span(MEMCPY_IN, t, tensor=buf.names[slot])
+        return filling
 
-    def _launch(self, buf: FusionBuffer) -> None:
+    def _launch(self, buf: FusionBuffer, filling: Filling) -> None:
         """Select (a sparse buffer) and start the buffer's collective."""
         obs = self.observer
         t = obs.mark() if obs else None
-        values = indices = rows = None
+        selected = None
         if not self.mode.sends_dense(buf):
-            values, indices, rows = self._selections[buf.index](buf, self.steps, self.mode.density)
+            selected = self._selections[buf.index](buf, filling, self.steps, self.mode.density)
             self.filler.keep_rest(buf)
         elif not buf.dense:
             buf.flat = None  # its residuals went along with the gradients
-        buf.indices, buf.values = indices, values  # counted in synchronize(), not here in the hook
         if obs:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
-                         selected=buf.numel if values is None else values.numel())
-        self.sender.start(buf, self.mode, values, indices, rows)
+                         selected=buf.numel if selected is None else selected.values.numel())
+        self._flight[buf.index] = self.sender.start(buf, filling, self.mode, selected)
         if obs:
             obs.span(SUBMIT, t, buffer=buf.index)
 
@@ -405,17 +418,19 @@ class Controller:
         if not self._step_open:
             self._open_step()
         for buf in self.buffers:  # same order on every rank
-            if buf.pending is None:
+            if self._flight[buf.index] is None:
+                filling = self._filling[buf.index]
                 for slot in range(len(buf.names)):
-                    if slot not in buf.filled:
-                        self._fill(buf, slot, buf.params[slot] in arrived)
-                self._launch(buf)
-        self.flags.start(any(b.poisoned for b in self.buffers), joining)
+                    if filling is None or slot not in filling.filled:
+                        filling = self._fill(buf, slot, buf.params[slot] in arrived)
+                self._launch(buf, filling)
+        flights = self._flight
+        self.flags.start(any(f.poisoned for f in flights), joining)
         tally = Tally(len(self.buffers))
-        for buf in self.buffers:
-            self._collect(buf)
-            tally.count(buf)
-            buf.reset()
+        for buf, flight in zip(self.buffers, flights):
+            self._collect(buf, flight)
+            tally.count(buf, flight)
+        self._clear_records()
         self.write_back.finish(self.flags.arrived_anywhere)
         self.joining = self.flags.joining
         self.last_stats = tally.total()  # one read per step
@@ -426,27 +441,28 @@ class Controller:
             obs.span(SYNCHRONIZE, t_sync)
         return self.last_stats
 
-    def _collect(self, buf: FusionBuffer) -> None:
+    def _collect(self, buf: FusionBuffer, flight: InFlight) -> None:
         """Wait for ``buf``'s collective and decode it into ``p.grad``; then what the step left
         goes back into the residuals, or, if some rank had a non-finite gradient, everything it
         sent."""
         obs = self.observer
         t = obs.mark() if obs else None
-        buf.pending.collect()  # waiting: communication
+        pending = flight.pending
+        pending.collect()  # waiting: communication
         poisoned = self.flags.poisoned  # submitted last: waits for the others too
         t = obs.span(WAIT, t, buffer=buf.index) if obs else None
-        buf.pending.wait()  # decoding into the gradients: computation after communication
-        if buf.pending.feedback is not None:
-            self.compressor.feedback(buf.selection, buf.pending.feedback)
+        pending.wait()  # decoding into the gradients: computation after communication
+        if pending.feedback is not None:
+            self.compressor.feedback(buf.selection, pending.feedback)
         t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None
         if poisoned:
-            poison(buf)
+            poison(buf, flight)
         else:
-            keep_leftover(buf)
-            if self.momentum is not None and buf.indices is not None:
-                self.momentum.mask(buf, buf.indices)
+            keep_leftover(buf, flight)
+            if self.momentum is not None and flight.indices is not None:
+                self.momentum.mask(buf, flight.indices)
         if buf.dense:
-            unpack(buf)
-        self.filler.restore(buf)
+            unpack(buf, flight)
+        self.filler.restore(buf, flight.filling)
         if obs:
             obs.span(MEMCPY_OUT, t, buffer=buf.index)

@@ -86,10 +86,9 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def constant(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """:func:`to_device` of a small host array that stays the same from step to step (a layout's
     offsets, sizes, targets ``k``, a band's bounds, a sample's sizes): copied once per content and
-    device, then reused. The device path copies such arrays at every selection; on a GPU each copy
-    costs the host a pinned allocation and a copy call, about as much as several kernels, and
-    selection is bound by the host's time per buffer. The tensor is shared: read it, never write
-    it."""
+    device, then reused. The device path needs such arrays at every selection; on a GPU each copy
+    costs the host a pinned allocation and a copy call, host time that adds to every buffer's
+    selection. The tensor is shared: read it, never write it."""
     a = np.ascontiguousarray(a)
     return _constant(a.dtype.str, a.shape, a.tobytes(), device)
 

@@ -9,6 +9,8 @@
   gradients, joining parameters).
 * :mod:`.loss_scale` — the loss scale the residuals are kept at.
 * :mod:`.collect` — decoding into ``p.grad``, the residuals put back, the step's statistics.
+* :mod:`.record` — what one buffer's step produces, stage by stage: the records one stage returns
+  and the next takes (the buffer keeps only what lives across steps).
 
 :class:`~horovod_safusion.controller.Controller` holds the plan and runs the stages in order.
 """

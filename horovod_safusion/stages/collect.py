@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..buffer import FusionBuffer
+from .record import InFlight
 
 
 @dataclass
@@ -57,19 +58,19 @@ class Tally:
         self.stats = StepStats(buffers=buffers)
         self._missing: list[torch.Tensor] = []
 
-    def count(self, buf: FusionBuffer) -> None:
-        stats = self.stats
+    def count(self, buf: FusionBuffer, flight: InFlight) -> None:
+        stats, pending, indices = self.stats, flight.pending, flight.indices
         stats.tensors += len(buf.names)
         stats.elements += buf.numel
-        stats.bytes_sent += buf.pending.bytes_sent
-        stats.bytes_received += buf.pending.bytes_received or 0
-        if buf.pending.selected is not None:
-            stats.selected += buf.pending.selected
-        elif buf.indices is None:
+        stats.bytes_sent += pending.bytes_sent
+        stats.bytes_received += pending.bytes_received or 0
+        if pending.selected is not None:
+            stats.selected += pending.selected
+        elif indices is None:
             stats.selected += buf.numel
         else:
-            stats.selected += buf.indices.numel()
-            self._missing.append((buf.segments.counts(buf.indices) == 0).sum())
+            stats.selected += indices.numel()
+            self._missing.append((buf.segments.counts(indices) == 0).sum())
 
     def total(self) -> StepStats:
         self.stats.missing = int(torch.stack(self._missing).sum()) if self._missing else 0
@@ -118,16 +119,16 @@ class WriteBack:
         self._rewrite, self._absent = [], []
 
 
-def unpack(buf: FusionBuffer) -> None:
+def unpack(buf: FusionBuffer, flight: InFlight) -> None:
     """A buffer of small tensors arrived reduced in its flat tensor: each segment to where its
     parameter's gradient goes."""
-    for slot, dst in enumerate(buf.grads):
+    for slot, dst in enumerate(flight.filling.grads):
         dst.copy_(buf.flat[buf.segment(slot)])
 
 
-def keep_leftover(buf: FusionBuffer) -> None:
+def keep_leftover(buf: FusionBuffer, flight: InFlight) -> None:
     """What the protocol did not deliver (``Pending.leftover``) goes back into the residuals."""
-    leftover = buf.pending.leftover
+    leftover = flight.pending.leftover
     if leftover is not None:
         buf.flat.index_add_(0, *leftover)
 

@@ -12,6 +12,9 @@ A parameter without gradient on this rank (frozen, unused in this rank's forward
 without ``backward()``) sends zeros, so every rank submits the same collectives, and its
 residual stays as it is — not added, not sent, not delivered: on a sparse step it is set aside
 while the buffer's collective runs (:meth:`Filler.restore` puts it back).
+
+What a step's fill produces is the buffer's :class:`~horovod_safusion.stages.record.Filling`
+(:meth:`Filler.begin`), which the selection, the send and the collect stages take.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from ..residual import ResidualStore, holds
 from .collect import WriteBack
 from .flags import StepFlags
 from .mode import StepMode
+from .record import Aside, Filling
 
 
 class Filler:
@@ -43,25 +47,33 @@ class Filler:
         self.residuals, self.momentum, self.clipping = residuals, momentum, clipping
         self.sparse_as_dense = sparse_as_dense
 
-    def fill(self, buf: FusionBuffer, slot: int, mode: StepMode, flags: StepFlags, out: WriteBack,
-             arrived: bool = True) -> None:
+    @staticmethod
+    def begin(buf: FusionBuffer, mode: StepMode) -> Filling:
+        """The buffer's record for this step, before its first tensor: on the device path's
+        Triton kernels a sparse buffer selected per tensor takes its statistics while filling."""
+        stats = (SegmentStats(len(buf.names), buf.device)
+                 if buf.triton and buf.selection is buf.segments and not mode.sends_dense(buf) else None)
+        return Filling([None] * len(buf.names), stats)
+
+    def fill(self, buf: FusionBuffer, step: Filling, slot: int, mode: StepMode, flags: StepFlags,
+             out: WriteBack, arrived: bool = True) -> None:
         """Fill the buffer's tensor ``slot`` with its gradient (``arrived``: its hook fired on this
         rank in this step), or with zeros, its residual kept (no gradient here)."""
         p, name = buf.params[slot], buf.names[slot]
         flags.arrive(name, arrived)
         if arrived:
             g = self._gradient(p, name)
-            buf.grads[slot] = out.grad_of(p)  # where the reduced gradient will go
+            step.grads[slot] = out.grad_of(p)  # where the reduced gradient will go
             if self.clipping is not None:
                 g = self.clipping(g)
             if mode.sends_dense(buf):
-                self._fill_dense(buf, slot, g, mode)
+                self._fill_dense(buf, step, slot, g, mode)
             else:
-                self._fill_sparse(buf, slot, g, mode)
+                self._fill_sparse(buf, step, slot, g, mode)
         else:
-            buf.grads[slot] = out.absent(p, name)
-            self._keep(buf, slot, mode)
-        buf.filled.add(slot)
+            step.grads[slot] = out.absent(p, name)
+            self._keep(buf, step, slot, mode)
+        step.filled.add(slot)
 
     def _gradient(self, p: torch.Tensor, name: str) -> torch.Tensor:
         """``p.grad`` flat (a view where it is dense and contiguous), zeros if ``p`` has none."""
@@ -76,35 +88,31 @@ class Filler:
             g = g.to_dense()
         return g.reshape(-1)
 
-    def _fill_sparse(self, buf: FusionBuffer, slot: int, g: torch.Tensor, mode: StepMode,
-                     keep: bool = False) -> None:
+    def _fill_sparse(self, buf: FusionBuffer, step: Filling, slot: int, g: torch.Tensor, mode: StepMode) -> None:
         """``segment = gradient + scale · residual`` in the buffer, in place where the residual is
-        the segment itself; non-finite gradient elements are dropped and counted. With ``keep``
-        (no gradient here, the residual set aside) the segment takes ``g`` alone."""
+        the segment itself; non-finite gradient elements are dropped and counted."""
         flat = buf.allocate("flat")
         seg = buf.segment(slot)
         view = flat[seg]
-        r = None if keep else self.residuals.peek(buf.names[slot])
+        r = self.residuals.peek(buf.names[slot])
         residual = view if holds(r, flat, seg) else r
-        if self.momentum is not None and not keep:
+        if self.momentum is not None:
             g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
         if buf.on_host:
-            buf.dropped += host.fill(view, g, residual, mode.scale)
+            step.dropped += host.fill(view, g, residual, mode.scale)
             return
-        if not buf.filled and buf.selection is buf.segments and buf.triton:
-            buf.stats = SegmentStats(len(buf.names), buf.device)  # taken while filling, per tensor
-        if buf.stats is not None:
+        if step.stats is not None:
             dropped, mx, total = kernels.accumulate(view, g, residual, mode.rescale, stats=True)
-            buf.stats.set(slot, (mx, total, torch.ones((), dtype=torch.bool, device=buf.device)))
+            step.stats.set(slot, (mx, total, torch.ones((), dtype=torch.bool, device=buf.device)))
         else:
             (dropped,) = kernels.accumulate(view, g, residual, mode.rescale)
-        buf.dropped = buf.dropped + dropped
+        step.dropped_on_device = dropped if step.dropped_on_device is None else step.dropped_on_device + dropped
 
-    def _fill_dense(self, buf: FusionBuffer, slot: int, g: torch.Tensor, mode: StepMode) -> None:
+    def _fill_dense(self, buf: FusionBuffer, step: Filling, slot: int, g: torch.Tensor, mode: StepMode) -> None:
         """The gradient as it is sent dense, with the residual of earlier sparse steps (sent along,
         and kept no more) and the momentum: into ``p.grad`` itself (reduced in place), or, in a
         buffer of small tensors, packed into the buffer's flat tensor."""
-        dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else buf.grads[slot]
+        dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else step.grads[slot]
         r = self.residuals.pop(buf.names[slot])
         if self.momentum is not None:
             g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
@@ -117,12 +125,13 @@ class Filler:
         else:
             torch.add(g, r * mode.rescale if mode.rescale is not None else r, out=dst)
 
-    def _keep(self, buf: FusionBuffer, slot: int, mode: StepMode) -> None:
+    def _keep(self, buf: FusionBuffer, step: Filling, slot: int, mode: StepMode) -> None:
         """No gradient here: the residual (and the momentum) stay as they are, rescaled in place
         to this step's loss scale. A dense step gives the buffer's flat up, so a residual in it
         moves to a tensor of its own; on a sparse step the residual (and a momentum in the
-        buffer's plane, which masking would clear) are set aside, and the segment is filled with
-        zeros for the selection; :meth:`restore` puts them back after the collective."""
+        buffer's plane, which masking would clear) are set aside, and the segment is zeroed
+        (this rank's contribution: nothing; its statistics stay zero); :meth:`restore` puts them
+        back after the collective."""
         name, seg = buf.names[slot], buf.segment(slot)
         r = self.residuals.peek(name)
         u = self.momentum.momenta.peek(name) if self.momentum is not None else None
@@ -138,27 +147,27 @@ class Filler:
                 r = r.clone()
             if holds(u, buf.momentum, seg):
                 u = u.clone()
-                buf.aside.append((slot, r, u))
+                step.aside.append(Aside(slot, r, u))
             else:  # u is a tensor of its own (or none), which masking does not touch
-                buf.aside.append((slot, r, None))
-            self._fill_sparse(buf, slot, buf.grads[slot], mode, keep=True)  # the stand-in: zeros until decoded
+                step.aside.append(Aside(slot, r, None))
+            flat[seg].zero_()
         if mode.rescale is not None:
             for t in (r, u):
                 if t is not None:
                     t.mul_(mode.rescale)
 
     @staticmethod
-    def restore(buf: FusionBuffer) -> None:
+    def restore(buf: FusionBuffer, step: Filling) -> None:
         """Put the residuals (and momenta) set aside by :meth:`_keep` back into the buffer's
         planes. The residual is added to what the step left in its segment (zeros, or what the
         protocol handed back), so nothing is lost."""
-        for slot, r, u in buf.aside:
+        for slot, r, u in step.aside:
             seg = buf.segment(slot)
             if r is not None:
                 buf.flat[seg].add_(r)
             if u is not None:
                 buf.momentum[seg].copy_(u)
-        buf.aside = []
+        step.aside = []
 
     def keep_rest(self, buf: FusionBuffer) -> None:
         """What the selection left in the buffer is the new residual: each parameter's residual

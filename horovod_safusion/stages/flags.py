@@ -16,6 +16,7 @@ import horovod.torch as hvd
 from ..buffer import FusionBuffer
 from ..communicators.base import wait
 from ..session import collective
+from .record import InFlight
 
 POISONED, JOINING_MAX, JOINING_MIN, ARRIVED = 0, 1, 2, 3  # positions in the flags
 
@@ -72,11 +73,11 @@ class StepFlags:
         return bool(self.result()[ARRIVED + self.position[name]])
 
 
-def poison(buf: FusionBuffer) -> None:
+def poison(buf: FusionBuffer, flight: InFlight) -> None:
     """A step some rank could not send whole: the buffer arrives as NaN everywhere, and this rank
     takes what it sent back into its residuals (gradient + residual, as if nothing had been
     selected), so the step the user skips loses no finite gradient."""
-    if buf.indices is not None:
-        buf.flat.index_add_(0, buf.indices, buf.values)
-    for t in buf.target.tensors:
+    if flight.selected is not None:
+        buf.flat.index_add_(0, flight.selected.indices, flight.selected.values)
+    for t in flight.target.tensors:
         t.fill_(float("nan"))

@@ -27,13 +27,12 @@ import horovod.torch as hvd
 
 from ..buffer import FusionBuffer
 from ..compressors import Compressor, sparsify
-
-Selected = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # values, indices, wire rows
+from .record import Filling, Selected
 
 
 class Selection(ABC):
-    """Selects a full buffer's elements to send; sets ``buf.poisoned`` (this rank dropped a
-    non-finite gradient element) along the way.
+    """Selects a full buffer's elements to send, and tells whether this rank dropped a
+    non-finite gradient element in it (:attr:`Selected.poisoned`).
 
     Args:
         compressor: the job's compressor.
@@ -45,15 +44,16 @@ class Selection(ABC):
         self.compression = compression
         self.rounds = compression is not hvd.Compression.none
 
-    def __call__(self, buf: FusionBuffer, step: int, density: float) -> Selected:
-        values, indices, rows = self.select(buf, step, density)
+    def __call__(self, buf: FusionBuffer, filling: Filling, step: int, density: float) -> Selected:
+        selected = self.select(buf, filling, step, density)
         if self.rounds:
-            values, rows = self.round_for_wire(buf, values, indices), None
-        return values, indices, rows
+            return selected._replace(values=self.round_for_wire(buf, selected.values, selected.indices), rows=None)
+        return selected
 
     @abstractmethod
-    def select(self, buf: FusionBuffer, step: int, density: float) -> Selected:
-        """The selection of ``buf`` at the step's ``density``; the rest stays in ``buf.flat``."""
+    def select(self, buf: FusionBuffer, filling: Filling, step: int, density: float) -> Selected:
+        """The selection of ``buf`` at the step's ``density`` (``filling``: its step's fill);
+        the rest stays in ``buf.flat``."""
 
     def round_for_wire(self, buf: FusionBuffer, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``values`` as Horovod's wire compression delivers them; the rounding error goes back
@@ -69,21 +69,19 @@ class Selection(ABC):
 class HostSelection(Selection):
     """The compressor's host selection."""
 
-    def select(self, buf: FusionBuffer, step: int, density: float) -> Selected:
-        buf.poisoned = buf.dropped > 0
+    def select(self, buf: FusionBuffer, filling: Filling, step: int, density: float) -> Selected:
         values, indices = sparsify(self.compressor, buf.flat, buf.selection, step, density)
-        return values, indices, None
+        return Selected(values, indices, None, filling.dropped > 0)
 
 
 class DeviceSelection(Selection):
     """The compressor's device proposal, read back once."""
 
-    def select(self, buf: FusionBuffer, step: int, density: float) -> Selected:
-        proposal = self.compressor.propose(buf.flat, buf.selection, step, density, stats=buf.stats)
-        dropped = buf.dropped if isinstance(buf.dropped, torch.Tensor) else None  # read along with the count
-        selected, finite = proposal.decide(dropped=dropped)  # the one host synchronisation of this buffer
-        buf.poisoned = not finite
-        return selected
+    def select(self, buf: FusionBuffer, filling: Filling, step: int, density: float) -> Selected:
+        proposal = self.compressor.propose(buf.flat, buf.selection, step, density, stats=filling.stats)
+        # the one host synchronisation of this buffer: the count, read along with the drops
+        (values, indices, rows), finite = proposal.decide(dropped=filling.dropped_on_device)
+        return Selected(values, indices, rows, not finite)
 
 
 def selection_for(buf: FusionBuffer, compressor: Compressor, compression: Any) -> Selection:

@@ -12,12 +12,11 @@ handles.
 from __future__ import annotations
 
 import numpy as np
-import torch
-
 from ..buffer import FusionBuffer
 from ..communicators import Allreduce, Communicator, Outgoing, Reduction
 from ..communicators.base import Target
 from .mode import StepMode
+from .record import Filling, InFlight, Selected
 
 
 class Sender:
@@ -44,11 +43,10 @@ class Sender:
                                         compression=self.communicator.compression)
         return self._allreduce
 
-    def start(self, buf: FusionBuffer, mode: StepMode, values: torch.Tensor | None, indices: torch.Tensor | None,
-              rows: torch.Tensor | None) -> None:
-        """Start ``buf``'s collective (``values`` ``None``: all of it, dense); ``buf.pending`` is
-        its handle."""
+    def start(self, buf: FusionBuffer, filling: Filling, mode: StepMode, selected: Selected | None) -> InFlight:
+        """Start ``buf``'s collective: its ``selected`` elements, or all of it (``None``: dense)."""
         comm = self.allreduce if mode.sends_dense(buf) else self.communicator
-        buf.target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(buf.grads), buf.bounds)
-        buf.pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, buf.target),
-                                 self.reduction)
+        target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(filling.grads), buf.bounds)
+        values, indices, rows = (None, None, None) if selected is None else selected[:3]
+        pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, target), self.reduction)
+        return InFlight(pending, target, filling, selected)

@@ -45,3 +45,29 @@ def test_a_plan_switch_keeps_every_residual_and_no_old_storage(hvd, regroup):
     assert held(opt).bytes <= held_before
     step()
     assert residual_storages(opt) == model
+
+
+def test_a_step_leaves_nothing_of_itself_on_the_buffers(hvd):
+    """A fusion buffer keeps only what lives across steps (its plan's segments, its planes); what a
+    step makes of it — the fill, the selection, the collective in flight — is a record of the
+    stages (``stages.record``), so a step adds no attribute to a buffer and rebinds none but its
+    planes, on a sparse step, with a parameter that got no gradient, and on a dense one."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 4))
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=m.named_parameters(), fusion="wfbp", min_selected=0,
+                                   dense=False, warmup_steps=1, warmup_schedule="dense")
+    buffers = opt.controller.buffers
+    fields = [dict(vars(b)) for b in buffers]
+    planes = {"flat", "momentum"}
+
+    for step in range(3):  # a dense warm-up step, then sparse ones; the last without m[1]'s gradient
+        opt.zero_grad()
+        x = torch.randn(8, 40)
+        (m[2](m[0](x)) if step == 2 else m(x)).sum().backward()
+        opt.step()
+        for buf, before in zip(buffers, fields):
+            now = vars(buf)
+            assert set(now) == set(before), f"step {step} left {sorted(set(now) - set(before))} on a buffer"
+            assert all(now[k] is before[k] for k in before if k not in planes)
+    assert opt.controller.last_stats.selected < opt.controller.last_stats.elements  # the last step was sparse
