@@ -4,7 +4,6 @@ from .base import (COMPRESSORS, Compressor, available_compressors, check_density
 from .dgc import DGC
 from .exdyna import ExDyna
 from .gaussiank import GaussianK
-from .hard import HardThreshold
 from .none import NoneCompressor
 from .randomk import RandomK
 from .redsync import RedSync
@@ -12,6 +11,6 @@ from .sidco import SIDCo
 from .threshold import ThresholdCompressor
 from .topk import TopK
 
-__all__ = ["COMPRESSORS", "Compressor", "DGC", "ExDyna", "GaussianK", "HardThreshold", "NoneCompressor", "RandomK", "RedSync",
+__all__ = ["COMPRESSORS", "Compressor", "DGC", "ExDyna", "GaussianK", "NoneCompressor", "RandomK", "RedSync",
            "SIDCo", "ThresholdCompressor", "TopK", "available_compressors", "check_density", "make_compressor",
            "register_compressor", "sparsify"]

@@ -67,16 +67,12 @@ class Proposal:
     tensor) are what the controller reads — together, in one transfer. Then, if the buffer was
     finite, :meth:`commit` updates the compressor's state and :meth:`take` returns
     ``(values, int64 indices, wire rows or None)`` with the selected elements zeroed in the buffer.
-    A compressor that needs one more bit on the host (``flag``, a 0-dim bool tensor) has it read in
-    the same transfer; :attr:`flagged` holds it from then on (for the commit).
     """
 
     def __init__(self, total: "torch.Tensor | int", finite: torch.Tensor,
-                 take: Callable[[int, bool], tuple], commit: Callable[[], None] | None = None,
-                 flag: torch.Tensor | None = None) -> None:
-        self.total, self.finite, self.flag = total, finite, flag
+                 take: Callable[[int, bool], tuple], commit: Callable[[], None] | None = None) -> None:
+        self.total, self.finite = total, finite
         self._take, self._commit = take, commit
-        self.flagged: bool | None = None
 
     def commit(self) -> None:
         if self._commit is not None:
@@ -107,17 +103,11 @@ class Proposal:
         return self.take(total, zero), finite
 
     def read(self) -> tuple[int, bool]:
-        """``(total, finite)`` — the one host synchronisation of the buffer (with :attr:`flag`)."""
-        known = isinstance(self.total, int)
-        read = [] if known else [self.total]
-        read.append(self.finite.to(torch.int64))
-        if self.flag is not None:
-            read.append(self.flag.to(torch.int64))
-        values = torch.stack(read).tolist() if len(read) > 1 else [int(read[0])]
-        if self.flag is not None:
-            self.flagged = bool(values.pop())
-        total = self.total if known else int(values.pop(0))
-        return total, bool(values[0])
+        """``(total, finite)`` — the one host synchronisation of the buffer."""
+        if isinstance(self.total, int):
+            return self.total, bool(self.finite)
+        total, finite = torch.stack([self.total, self.finite.to(torch.int64)]).tolist()
+        return int(total), bool(finite)
 
 
 def _acc(flat: torch.Tensor) -> torch.dtype:
@@ -172,11 +162,9 @@ class DeviceView:
         e.g. of a sample per segment."""
         return reference.kth_largest(values, groups, kernels.constant(ks, values.device)).double()
 
-    def propose(self, thresholds: torch.Tensor, commit: Callable[[torch.Tensor], None] | None = None,
-                flag: torch.Tensor | None = None) -> Proposal:
+    def propose(self, thresholds: torch.Tensor, commit: Callable[[torch.Tensor], None] | None = None) -> Proposal:
         """The selection by ``thresholds``; ``commit(counts)`` updates the compressor's state
-        (per-segment counts, float64) once the buffer is known to be finite; ``flag`` is read
-        with the count (:attr:`Proposal.flagged`)."""
+        (per-segment counts, float64) once the buffer is known to be finite."""
         sel = kernels.selection(self.flat, self.applied(thresholds), self.table)
         done = None if commit is None else (lambda: commit(sel.counts.double()))
-        return Proposal(sel.total, self.finite, sel.take, done, flag)
+        return Proposal(sel.total, self.finite, sel.take, done)

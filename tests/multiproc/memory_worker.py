@@ -41,7 +41,6 @@ CONFIGS = {
     "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
     "momentum_correction": {"momentum_correction": True, "dense": False},
     "ef21-sgdm": {"error_feedback": "ef21-sgdm", "dense": False},
-    "hard": {"compressor": "hard", "dense": False},
 }
 SETTLED_STEPS = 5  # trained after the plan settled, before the walk
 LEAK_STEPS = 300

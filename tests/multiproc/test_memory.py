@@ -28,9 +28,9 @@ MOMENTUM = 1.0  # × the model, added by momentum correction and by EF21-SGDM (t
 SMALL = 1 << 20  # bytes: the small constant (per-segment state, thresholds, the profile)
 
 CONFIGS = ["default", "dense=False", "allgather", "allreduce", "spardl", "zen", "exdyna", "momentum_correction",
-           "ef21-sgdm", "hard"]
+           "ef21-sgdm"]
 TAKES_MOMENTUM = ("default", "dense=False", "allgather", "allreduce", "spardl", "zen", "momentum_correction",
-                  "ef21-sgdm", "hard")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
+                  "ef21-sgdm")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
 
 pytestmark = pytest.mark.multiproc
 
