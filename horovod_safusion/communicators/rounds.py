@@ -206,9 +206,12 @@ class _GlooRound(Round):
             rows = rows.contiguous()
             count = torch.tensor([rows.shape[0]], dtype=torch.int64)
             self._kept += [count, rows]
-            self._works.append(group.send([count], dest, tag))
-            if rows.shape[0]:
-                self._works.append(group.send([rows], dest, tag + 1))
+            try:  # a peer already lost fails the post itself, not only the wait
+                self._works.append(group.send([count], dest, tag))
+                if rows.shape[0]:
+                    self._works.append(group.send([rows], dest, tag + 1))
+            except RuntimeError as e:
+                raise _lost(e) from e
             self.bytes_sent += rows.numel()
         own = sends.get(me, empty)
 
@@ -231,13 +234,17 @@ class _GlooRound(Round):
                 for work in self._works:
                     work.wait()
             except RuntimeError as e:
-                # Horovod's own collectives fail so when a peer is lost: hvd.elastic.run resets on
-                # it, and outside elastic it ends the job as theirs does
-                raise HorovodInternalError(f"horovod_safusion: a Gloo round failed: {e}") from e
+                raise _lost(e) from e
             self._works, self._kept = [], []
             self._result = result
             self._received_bytes = sum(p.numel() for r, p in zip(self._sources, result) if r != self._me)
         return self._result
+
+
+def _lost(e: RuntimeError) -> HorovodInternalError:
+    """A failed Gloo round as Horovod's own collectives fail when a peer is lost: ``hvd.elastic.run``
+    resets on it, and outside elastic it ends the job as theirs does."""
+    return HorovodInternalError(f"horovod_safusion: a Gloo round failed: {e}")
 
 
 class _Receiver:
