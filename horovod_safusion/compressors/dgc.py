@@ -22,8 +22,7 @@ import torch
 
 from ..kernels import constant
 from .base import register_compressor
-from .device import DeviceView
-from .threshold import PeriodicThreshold, SegmentView
+from .threshold import PeriodicThreshold, View
 
 
 #: A segment whose sample would exceed 1/EXACT_SHARE of it takes its exact k-th largest instead.
@@ -126,38 +125,20 @@ class DGC(PeriodicThreshold):
                                          self.min_samples) << effort)
         return m, m * EXACT_SHARE >= sizes
 
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
-                 step: int) -> np.ndarray:
-        """Per segment, the ``(1 − density)`` quantile of a sample of its ``|x|``
+    def estimate(self, view: View, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> "np.ndarray | torch.Tensor":
+        """Per entry, the ``(1 − density)`` quantile of a sample of its segment's ``|x|``
         (:meth:`samples`, :func:`sample_positions`), or its exact k-th largest; the samples of all
-        segments are drawn at once and their quantiles taken in one call."""
-        n = view.sizes[which]
+        entries are drawn at once and their quantiles taken in one radix selection (on the
+        device view every segment at every effort: about an eighth of the buffer in all, as a
+        sample that reaches 1/16 of its segment is exact)."""
+        n = view.segments.size_array[which]
         m, exact = self.samples(n, effort)
-        out = np.empty(len(which), dtype=np.float64)
-        out[exact] = view.kth_largest(which[exact], ks[exact])
-        sampled = ~exact
-        if sampled.any():
-            s, ms = which[sampled], m[sampled]
-            idx = sample_positions(self.seed, step, _keys(view.segments.names)[s], effort[sampled], view.offsets[s],
-                                   n[sampled], ms)
-            out[sampled] = view.kth_largest_at(idx, ms, np.ceil(view.density * ms).astype(np.int64))
-        return out
-
-    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
-        """Every segment at every effort, in one radix selection over all the samples (about
-        an eighth of the buffer in all: a sample that reaches 1/16 of its segment is exact)."""
-        n = view.segments.size_array
-        efforts = np.arange(self.max_effort + 1)
-        m, exact = self.samples(n[:, None], efforts[None, :])
-        table = view.kth[:, None].repeat(1, len(efforts))
-        s, e = np.nonzero(~exact)
+        e, s = np.flatnonzero(exact), np.flatnonzero(~exact)
+        parts = [(e, view.kth_largest(which[e], ks[e]))]
         if s.size:
-            ms = m[s, e]
-            positions = sample_positions(self.seed, step, _keys(view.segments.names)[s], e, view.segments.offset_array[s],
-                                         n[s], ms, view.flat.device)
-            groups = torch.repeat_interleave(torch.arange(len(s), device=view.flat.device),
-                                             constant(ms, view.flat.device), output_size=int(ms.sum()))
-            ks = np.ceil(view.density * ms).astype(np.int64)
-            at = constant(s * len(efforts) + e, view.flat.device)
-            table.view(-1)[at] = view.kth_largest_of(view.flat[positions], groups, ks)
-        return table
+            seg, ms = which[s], m[s]
+            idx = sample_positions(self.seed, step, _keys(view.segments.names)[seg], effort[s],
+                                   view.segments.offset_array[seg], n[s], ms, view.device)
+            parts.append((s, view.kth_largest_at(idx, ms, np.ceil(view.density * ms).astype(np.int64))))
+        return view.assemble(len(which), parts)

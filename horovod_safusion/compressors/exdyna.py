@@ -36,9 +36,9 @@ import torch
 
 from ..segment import Segments
 from .base import register_compressor
-from .device import DeviceView, Proposal
+from .device import Proposal
 from .state import PerSegment
-from .threshold import SegmentView, ThresholdCompressor
+from .threshold import ThresholdCompressor, View
 
 
 @register_compressor("exdyna")
@@ -103,42 +103,27 @@ class ExDyna(ThresholdCompressor):
         up, nudge, down = factors
         return np.where(exam > self.beta, up, np.where(exam > 1 / self.beta, nudge, down))
 
-    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny) if self.relative else 1.0
-        delta = self._threshold.of(view.segments.names)
-        new = np.flatnonzero(np.isnan(delta))
-        if new.size:  # δ_0: the exact k-th largest
-            delta[new] = view.kth_largest(new, view.k[new]) / (self._unit[new] if self.relative else 1.0)
-        return delta * self._unit
-
-    def refine(self, view, thresholds, counts, step):
-        live = view.live  # an all-zero segment says nothing about its threshold
-        if self._global:
-            names = tuple(n for n, alive in zip(view.segments.names, live.tolist()) if alive)
-            self._selected[view.segments.names] = (names, int(view.k[live].sum()))
-            return
-        exam = counts[live] / np.maximum(1.0, view.k[live])  # k'/k per segment (Alg. 5 per threshold)
-        self._threshold.of(view.segments.names)[live] *= self._factor(exam)
-
-    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """δ on the device; a layout with segments never seen starts them from their exact k-th
-        largest. Scaled globally, :meth:`feedback` scales every segment (which ones are all-zero
-        is known only on the device)."""
+    def decide(self, view: View, step: int) -> "torch.Tensor | Proposal":
+        """δ per segment — a segment never seen starts from its exact k-th largest — applied once,
+        and scaled by Algorithm 5 from its own count, or (scaled globally) left for
+        :meth:`feedback` to scale the live segments (which are all-zero only the host path knows:
+        the device path hands every segment to it)."""
         names = view.segments.names
-        state = delta = self._threshold.on(names, view.flat.device)
-        unit = view.unit if self.relative else torch.ones_like(view.unit)
-        if self._threshold.unseen(names):
-            seen = torch.tensor([not self._threshold.unseen((n,)) for n in names], device=delta.device)
-            delta = torch.where(seen, delta, view.kth / unit)
-        thr = delta * unit
+        state = view.state(self._threshold, names)
+        unit = view.unit if self.relative else view.full(len(names), 1.0)
+        delta, new = state, view.unseen(self._threshold, names)
+        if new is not None:  # δ_0: the exact k-th largest
+            delta = view.where(new, view.kth(new) / unit, delta)
+        view.apply(delta * unit)
 
-        def commit(counts: torch.Tensor) -> None:
+        def commit(counts) -> None:
             if self._global:
-                self._selected[names] = (names, int(view.k_host.sum()))
-                state.copy_(delta)
-            else:  # k'/k per segment, as on the host
-                factor = self._factor(counts / torch.clamp(view.k, min=1.0))
-                state.copy_(torch.where(view.live, delta * factor, delta))
+                live = view.known_live()
+                self._selected[names] = (tuple(n for n, alive in zip(names, live.tolist()) if alive),
+                                         int(view.k_host[live].sum()))
+                state[:] = delta
+            else:  # k'/k per segment (Alg. 5 per threshold); an all-zero segment says nothing
+                state[:] = view.where(view.live, delta * self._factor(counts / view.k.clip(min=1)), delta)
             self._threshold.mark(names)
 
-        return view.propose(thr, commit)
+        return view.finish(commit)

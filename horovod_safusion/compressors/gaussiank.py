@@ -26,11 +26,10 @@ import numpy as np
 import torch
 from scipy.special import ndtri  # Φ⁻¹ as a bare ufunc, without norm.ppf's per-call argument checking
 
-from ..kernels import reference
 from .base import register_compressor
-from .device import DeviceView, Proposal
+from .device import Proposal
 from .segmented import Steps
-from .threshold import SegmentView, ThresholdCompressor
+from .threshold import ThresholdCompressor, View
 
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
@@ -60,28 +59,16 @@ class GaussianK(ThresholdCompressor):
         self.refine_passes = int(refine_passes)
         self.step_up, self.step_down = float(step_up), float(step_down)
 
-    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        return gaussian_threshold(view.means(signed=True), view.means(signed=True, squares=True), view.density)
-
     @staticmethod
     def band(k: "np.ndarray | torch.Tensor") -> tuple:
         """The counts a segment with target ``k`` may end with: ``[2k/3, 4k/3]``."""
         return 2 * k / 3, 4 * k / 3
 
-    def correction(self, view: SegmentView, step: int) -> Steps:
+    def decide(self, view: View, step: int) -> "torch.Tensor | Proposal":
+        """The Gaussian estimate, corrected by steps in the selection pass (on the device view
+        every one of ``refine_passes`` passes compares the whole buffer: a device cannot skip the
+        segments in band without reading their counts back)."""
         low, high = self.band(view.k)
-        return Steps(low=low, high=high, up=self.step_up, down=self.step_down, passes=self.refine_passes)
-
-    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """The Gaussian estimate and ``refine_passes`` stepped corrections, all segments at once
-        (each pass compares the whole buffer: a device cannot skip the segments in band without
-        reading their counts back)."""
-        s1, s2 = reference.moments(view.flat, view.table)
-        u = gaussian_threshold(s1 / view.sizes, s2 / view.sizes, view.density)
-        low, high = self.band(view.k)
-        for _ in range(self.refine_passes):
-            counts = view.counts(u)
-            # float64, as on the host; filled on the device (a new_tensor is copied over from the host)
-            up, down, keep = (torch.full_like(u, f) for f in (self.step_up, self.step_down, 1.0))
-            u = u * torch.where(counts > high, up, torch.where(counts < low, down, keep))
-        return view.propose(u)
+        view.apply(gaussian_threshold(*view.moments(), view.density),
+                   correction=Steps(low=low, high=high, up=self.step_up, down=self.step_down, passes=self.refine_passes))
+        return view.finish()

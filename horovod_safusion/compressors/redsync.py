@@ -7,13 +7,12 @@ point, so steps after the first usually need few passes.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .base import register_compressor
-from .device import DeviceView, Proposal
+from .device import Proposal
 from .state import PerSegment
-from .threshold import SegmentView, ThresholdCompressor
+from .threshold import ThresholdCompressor, View
 
 
 @register_compressor("redsync")
@@ -32,40 +31,26 @@ class RedSync(ThresholdCompressor):
         self.iterations = int(iterations)
         self._ratio = PerSegment(fill=0.5)
 
-    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        self._mean = view.means()
-        return self._mean + self._ratio.of(view.segments.names) * (view.max - self._mean)
-
-    def refine(self, view, thresholds, counts, step):
-        r, k = self._ratio.of(view.segments.names), view.k
-        lo, hi = np.zeros(len(r)), np.ones(len(r))
-        for _ in range(self.iterations):
-            off = np.flatnonzero(view.live & ((counts < k) | (counts > 2 * k)))
-            if not off.size:
-                break
-            many = counts[off] > 2 * k[off]
-            lo[off[many]] = r[off[many]]  # too many: raise the threshold
-            hi[off[~many]] = r[off[~many]]  # too few: lower it
-            r[off] = (lo[off] + hi[off]) / 2
-            view.apply(self._mean + r * (view.max - self._mean), off)
-            counts = view.counts()
-
-    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """All ``iterations`` bisection passes (a device cannot stop early without reading the
-        counts back), every segment at once; the ratio found is kept once the buffer is finite."""
-        names = view.segments.names
-        state = self._ratio.on(names, view.flat.device)
+    def decide(self, view: View, step: int) -> "torch.Tensor | Proposal":
+        """Bisection from the last ratio, every segment at once (on the device view all
+        ``iterations`` passes run: it cannot stop early without reading the counts back); the
+        ratio found is kept."""
+        names, k = view.segments.names, view.k
+        state = view.state(self._ratio, names)
         mean, span = view.mean, view.max - view.mean
-        r, lo, hi = state.clone(), torch.zeros_like(state), torch.ones_like(state)
+        r, lo, hi = state, view.full(len(names), 0.0), view.full(len(names), 1.0)
+        counts = view.apply(mean + r * span)
         for _ in range(self.iterations):
-            counts = view.counts(mean + r * span)
-            off = view.live & ((counts < view.k) | (counts > 2 * view.k))
-            many = counts > 2 * view.k
-            lo, hi = torch.where(off & many, r, lo), torch.where(off & ~many, r, hi)
-            r = torch.where(off, (lo + hi) / 2, r)
+            off = view.live & ((counts < k) | (counts > 2 * k))
+            if not view.any(off):
+                break
+            many = counts > 2 * k
+            lo, hi = view.where(off & many, r, lo), view.where(off & ~many, r, hi)  # too many: raise it
+            r = view.where(off, (lo + hi) / 2, r)
+            counts = view.apply(mean + r * span, off)
 
-        def commit(counts: torch.Tensor) -> None:
-            state.copy_(r)
+        def commit(_) -> None:
+            state[:] = r
             self._ratio.mark(names)
 
-        return view.propose(mean + r * span, commit)
+        return view.finish(commit)

@@ -24,10 +24,11 @@ buffer:
   the threshold up or down a few times (GaussianK's refinement), segment by segment;
 * :meth:`reselect` — some segments again: a raised threshold filters the segment's current
   selection (cost ∝ selected; DGC's hierarchical selection), others are compared anew;
-* :meth:`select_top` (compiled only) — exactly the k largest per segment, by radix selection;
-* :meth:`kth_largest` — the k-th largest ``|x|`` of runs of ``x`` (exact thresholds, by radix
-  selection over the run, with no copy of it) or of ``x[idx]`` (DGC's samples, the hierarchical
-  step among a segment's candidates);
+* :meth:`select_top` (compiled only) — exactly the k largest per segment, by radix selection
+  (:func:`_radix`);
+* :meth:`kth_largest` — the k-th largest ``|x|`` of runs of ``x`` (exact thresholds, by the same
+  radix selection, which copies no more of the run than the bin holding the k-th) or of
+  ``x[idx]`` (DGC's samples, the hierarchical step among a segment's candidates);
 * :meth:`exceedance_moments` — count, mean and variance of ``|x| − η`` over ``|x| > η`` per
   segment (SIDCo's multi-stage fits);
 * :meth:`abs_stats`, :meth:`sums` — per-segment ``max |x|`` and ``Σ |x|`` in one pass, ``Σ x``
@@ -158,63 +159,78 @@ def _split(hist, lo, hi, k):  # pragma: no cover - compiled
     return b, above, inside
 
 
-@_jit
-def _select_top(bits, mask, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: no cover - compiled
-    """Exactly ``min(ks[s], sizes[s])`` indices per segment, of its largest magnitudes, by radix
-    selection on ``bits & mask`` (the values' IEEE bits without the sign, as unsigned integers,
-    which order magnitudes as the floats do): a histogram of the top 12 bits finds the bin of the
-    k-th largest, one more pass takes everything above it and keeps the bin's elements as
-    candidates, and the next 12 bits split the candidates until the count is exact; candidates
-    whose bits are all equal (ties) are taken first come, first served. Only the bins between the
-    lowest and the highest one used are scanned and cleared, so a small segment costs little.
-    ``out`` holds ``Σ min(ks, sizes)``; ``cand`` grows to the largest candidate bin and is
-    returned."""
-    hist = np.zeros(4096, dtype=np.int64)
-    n = 0
-    for s in range(offsets.size):
-        first, o, size = n, offsets[s], sizes[s]
-        need = min(ks[s], size)
-        shift = nbits - 12
+@compiled(inline="always")
+def _radix(bits, mask, o, size, need, nbits, hist, cand, out, n):  # pragma: no cover - compiled
+    """Radix selection of the ``need`` largest of ``bits[o:o + size] & mask`` (the values' IEEE
+    bits without the sign, as unsigned integers, which order magnitudes as the floats do;
+    ``1 <= need <= size``): a histogram of the top 12 bits finds the bin of the need-th largest,
+    one more pass keeps the bin's elements as candidates (and, unless ``out`` is None, appends the
+    positions above it to ``out[n:]``), and the next 12 bits split the candidates until the count
+    is exact; candidates whose bits are all equal (ties) are taken first come, first served. Only
+    the bins between the lowest and the highest one used are scanned and cleared, so a small run
+    costs little. ``cand`` grows to the largest candidate bin. Returns ``(the need-th largest's
+    bits, the new n, cand)``; with an ``out``, exactly ``need`` positions were appended. (Numba
+    compiles the two kinds of ``out`` apart, each without the other's branch.)"""
+    shift = nbits - 12
+    lo, hi = 4095, 0
+    for x in bits[o:o + size]:
+        h = np.int64((x & mask) >> shift)
+        hist[h] += 1
+        lo, hi = min(lo, h), max(hi, h)
+    b, above, inside = _split(hist, lo, hi, need)
+    if inside > cand.size:
+        cand = np.empty(inside, dtype=cand.dtype)
+    c, i = 0, o
+    for x in bits[o:o + size]:
+        h = np.int64((x & mask) >> shift)
+        if h > b:
+            if out is not None:
+                out[n] = i
+                n += 1
+        elif h == b:
+            cand[c] = i
+            c += 1
+        i += 1
+    need -= above
+    while need < c and shift > 0:
+        shift = max(shift - 12, 0)
         lo, hi = 4095, 0
-        for x in bits[o:o + size]:
-            h = np.int64((x & mask) >> shift)
+        for j in range(c):
+            h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
             hist[h] += 1
             lo, hi = min(lo, h), max(hi, h)
         b, above, inside = _split(hist, lo, hi, need)
-        if inside > cand.size:
-            cand = np.empty(inside, dtype=cand.dtype)
-        c, i = 0, o
-        for x in bits[o:o + size]:
-            h = np.int64((x & mask) >> shift)
+        kept = 0
+        for j in range(c):
+            h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
             if h > b:
-                out[n] = i
-                n += 1
-            elif h == b:
-                cand[c] = i
-                c += 1
-            i += 1
-        need -= above
-        while need < c and shift > 0:
-            shift = max(shift - 12, 0)
-            lo, hi = 4095, 0
-            for j in range(c):
-                h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
-                hist[h] += 1
-                lo, hi = min(lo, h), max(hi, h)
-            b, above, inside = _split(hist, lo, hi, need)
-            kept = 0
-            for j in range(c):
-                h = np.int64(((bits[cand[j]] & mask) >> shift) & 4095)
-                if h > b:
+                if out is not None:
                     out[n] = cand[j]
                     n += 1
-                elif h == b:
-                    cand[kept] = cand[j]
-                    kept += 1
-            need, c = need - above, kept
-        for j in range(need):
+            elif h == b:
+                cand[kept] = cand[j]
+                kept += 1
+        need, c = need - above, kept
+    kth = bits[cand[0]] & mask  # the need-th largest: the least of the candidates taken
+    for j in range(need):
+        kth = min(kth, bits[cand[j]] & mask)
+        if out is not None:
             out[n] = cand[j]
             n += 1
+    return kth, n, cand
+
+
+@_jit
+def _select_top(bits, mask, offsets, sizes, ks, nbits, out, counts, cand):  # pragma: no cover - compiled
+    """Exactly ``min(ks[s], sizes[s])`` indices per segment, of its largest magnitudes
+    (:func:`_radix`). ``out`` holds ``Σ min(ks, sizes)``; returns ``(n, cand)``."""
+    hist = np.zeros(4096, dtype=np.int64)
+    n = 0
+    for s in range(offsets.size):
+        first = n
+        need = min(ks[s], sizes[s])
+        if need > 0:
+            _, n, cand = _radix(bits, mask, offsets[s], sizes[s], need, nbits, hist, cand, out, n)
         counts[s] = n - first
     return n, cand
 
@@ -316,46 +332,18 @@ def _reselect(x, offsets, sizes, idx, counts, mode, thr, out, new_counts):  # pr
 
 
 @_jit
-def _kth_bits(bits, mask, o, size, k, nbits, hist):  # pragma: no cover - compiled
-    """The bits of the k-th largest of ``bits[o:o + size] & mask`` (the values' bits as signed
-    integers, ``mask`` clearing the sign: the magnitudes' order; ``1 <= k <= size``), by radix
-    selection: a histogram of the top 12 bits finds the bin of the k-th largest, and each next
-    pass counts only the elements whose higher bits match the bins found so far, 12 bits at a
-    time. A few passes over the segment and no copy of it."""
-    prefix = np.int64(0)  # the bits found so far
-    shift = nbits
-    while shift > 0:
-        width = min(12, shift)
-        shift -= width
-        field = (1 << width) - 1
-        hist[:field + 1] = 0
-        high = min(shift + width, 63)  # bits at and above it are fixed by the prefix (the sign bit is 0)
-        for x in bits[o:o + size]:
-            v = np.int64(x) & mask
-            if (v >> high) == (prefix >> high):
-                hist[(v >> shift) & field] += 1
-        above = 0
-        b = 0
-        for h in range(field, -1, -1):
-            if above + hist[h] >= k:
-                b = h
-                break
-            above += hist[h]
-        k -= above
-        prefix = prefix | (b << shift)
-    return prefix
-
-
-@_jit
 def _kth_largest(bits, mask, nbits, starts, lengths, ks, out):  # pragma: no cover - compiled
-    """``out[j]``: the bits of the ``ks[j]``-th largest magnitude of run ``j`` (0 if empty)."""
+    """``out[j]``: the bits of the ``ks[j]``-th largest magnitude of run ``j`` (0 if empty), by
+    :func:`_radix` without collecting."""
     hist = np.zeros(4096, dtype=np.int64)
+    cand = np.empty(0, dtype=np.int64)
     for j in range(starts.size):
         n = lengths[j]
         if n == 0:
             out[j] = 0
             continue
-        out[j] = _kth_bits(bits, mask, starts[j], n, min(max(ks[j], 1), n), nbits, hist)
+        kth, _, cand = _radix(bits, mask, starts[j], n, min(max(ks[j], 1), n), nbits, hist, cand, None, 0)
+        out[j] = kth
 
 
 @_jit
@@ -530,11 +518,11 @@ class NumbaKernels:
         """The ``ks[j]``-th largest ``|x|`` (``ks`` clamped to ``[1, lengths[j]]``) of run ``j`` of
         ``x`` — or of ``x[idx]`` when ``idx`` is given — starting at ``starts[j]``; 0 for an
         empty run."""
-        if idx is None:  # on the magnitudes' bits, as signed integers of the values' width
-            itype = np.int32 if x.dtype == np.float32 else np.int64
-            found = np.empty(len(starts), dtype=np.int64)
-            _kth_largest(x.view(itype), np.int64(np.iinfo(itype).max), 8 * x.itemsize, starts, lengths, ks, found)
-            return found.astype(itype).view(x.dtype).astype(np.float64)
+        if idx is None:  # on the magnitudes' bits, as unsigned integers of the values' width
+            utype = np.uint32 if x.dtype == np.float32 else np.uint64
+            found = np.empty(len(starts), dtype=utype)
+            _kth_largest(x.view(utype), utype(np.iinfo(utype).max >> 1), 8 * x.itemsize, starts, lengths, ks, found)
+            return found.view(x.dtype).astype(np.float64)
         out = np.empty(len(starts), dtype=np.float64)
         _kth_largest_at(x, idx, starts, lengths, ks, out)
         return out

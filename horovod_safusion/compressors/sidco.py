@@ -25,10 +25,8 @@ import numpy as np
 import torch
 from scipy import special
 
-from ..kernels import reference
 from .base import register_compressor
-from .device import DeviceView
-from .threshold import PeriodicThreshold, SegmentView
+from .threshold import PeriodicThreshold, View
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
@@ -118,10 +116,11 @@ class SIDCo(PeriodicThreshold):
             return "gamma" if stage == 0 else "gpareto"
         return self.distribution
 
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
-                 step: int) -> np.ndarray:
-        """The multi-stage thresholds of the segments ``which``, each with ``effort`` stages fewer,
-        every stage one pass over those segments for all of them.
+    def estimate(self, view: View, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> "np.ndarray | torch.Tensor":
+        """The multi-stage thresholds of the entries ``which``, each with ``effort`` stages fewer,
+        every stage one pass over those segments for all of them (stage 1's fit of all of ``|x|``
+        is shared by every effort; an entry with fewer than two exceedances stops).
 
         SIDCo adapts the number of stages when the selected ratio misses the target. On real
         gradients each further stage selects *fewer* elements (on the largest tensors, one
@@ -129,40 +128,19 @@ class SIDCo(PeriodicThreshold):
         far too few gets fewer stages, and one that then selects too many is trimmed by the
         hierarchical selection."""
         stages = np.maximum(1, self.stages - effort)
-        p = np.array([view.density ** (1.0 / n) for n in range(1, self.stages + 1)])[stages - 1]  # as on the device
-        eta = np.zeros(len(which))
-        _, m, v = view.exceedance_moments(which, eta, inclusive=True)  # stage 1 fits all of |x|
-        going = np.arange(len(which))
+        p = view.array(np.array([view.density ** (1.0 / n) for n in range(1, self.stages + 1)])[stages - 1])
+        m, v = view.abs_moments(which)  # stage 1 fits all of |x|
+        eta = view.full(len(which), 0.0)
+        going = view.array(np.ones(len(which), dtype=bool))
         for stage in range(self.stages):
-            eta[going] += quantile(m[going], v[going], p[going], self._family(stage))
-            going = going[stages[going] > stage + 1]
-            if not going.size:
+            eta = view.where(going, eta + quantile(m, v, p, self._family(stage)), eta)
+            more = stages > stage + 1
+            sub = np.flatnonzero(more)  # the entries with another stage
+            going = going & view.array(more)
+            if not sub.size or not view.any(going):
                 break
-            # the next stage fits the exceedances over eta; a segment with fewer than two stops
-            count, m[going], v[going] = view.exceedance_moments(which[going], eta[going])
-            going = going[count >= 2]
+            # the next stage fits the exceedances over eta; an entry with fewer than two stops
+            count, ms, vs = view.exceedance_moments(which[sub], view.take(eta, sub), where=view.take(going, sub))
+            m, v = view.put(m, sub, ms), view.put(v, sub, vs)
+            going = view.put(going, sub, view.take(going, sub) & (count >= 2))
         return eta
-
-    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
-        """Every segment with ``stages − effort`` stages for every effort, all segments at once (a
-        segment with fewer than two exceedances stops early, as on the host); stage 1's fit of all
-        of ``|x|`` is shared."""
-        a = view.flat.abs()
-        first = reference.exceedances(a, torch.zeros_like(view.max), view.table, inclusive=True)
-        table = []
-        for stages in range(self.stages, self.stages - self.max_effort - 1, -1):
-            p = torch.full_like(view.max, view.density ** (1.0 / stages))
-            eta = torch.zeros_like(view.max)
-            going = torch.ones_like(eta, dtype=torch.bool)
-            count, s1, s2 = first
-            for stage in range(stages):
-                n = torch.clamp(count, min=1.0)
-                m = s1 / n
-                v = torch.clamp(s2 / n - m * m, min=0.0)
-                eta = torch.where(going, eta + quantile(m, v, p, self._family(stage)), eta)
-                if stage + 1 == stages:
-                    break
-                count, s1, s2 = reference.exceedances(a, eta, view.table, inclusive=False)
-                going = going & (count >= 2)
-            table.append(eta)
-        return torch.stack(table, 1)

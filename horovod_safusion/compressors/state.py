@@ -53,7 +53,10 @@ class PerSegment(MutableMapping):
 
     def mark(self, names: tuple[str, ...]) -> None:
         """``names`` now hold values (written through :meth:`on`)."""
-        self.__dict__.setdefault("_valued", {}).update((n, True) for n in names)
+        marked = self.__dict__.setdefault("_marked", {})  # layouts marked already: every step marks
+        if names not in marked:
+            self.__dict__.setdefault("_valued", {}).update((n, True) for n in names)
+            marked[names] = True
 
     def _layout(self, names: tuple[str, ...], device: torch.device | None):
         values = self._layouts.get(names)

@@ -7,7 +7,8 @@ how) and selects with whole-buffer operations whatever the number of segments: p
 maxima and sums by one segmented reduction each, and one compiled pass
 (:mod:`~horovod_safusion.compressors.segmented`) that compares every segment with its threshold
 and writes the selected indices, ascending, with their count per segment. A compressor may hand
-that pass a correction (:meth:`ThresholdCompressor.correction`): counts outside a band are then
+that pass a correction (a :class:`~horovod_safusion.compressors.segmented.Band` or
+:class:`~horovod_safusion.compressors.segmented.Steps`): counts outside a band are then
 corrected segment by segment while the segment is in cache — DGC's and SIDCo's trim and lowering,
 GaussianK's steps. Refinements left to Python re-select only the segments whose thresholds they
 change, in one more pass over the selection: a raised threshold filters the segment's current
@@ -15,7 +16,9 @@ selection while that is small (cost ∝ selected); otherwise the segment is comp
 (cost ∝ segment). Thresholds, counts and per-segment
 state are NumPy arrays indexed by segment, and compressors decide for all segments at once, so
 selecting per tensor costs about what selecting per buffer does (``benchmarks/bench_compressors.py``
-measures both; SAFusion §5 measured +4.5–6.2 % for its per-tensor selection).
+measures both; SAFusion §5 measured +4.5–6.2 % for its per-tensor selection). Each compressor's
+algorithm is written once, against a view (:class:`SegmentView` here, the device path's
+:class:`~horovod_safusion.compressors.device.DeviceView` on a GPU), and both paths run it.
 A threshold above a segment's maximum is clipped to it, so every tensor with a nonzero gradient
 keeps at least one element; an all-zero segment sends nothing, and an exact zero is never
 selected, however low a threshold is lowered (an embedding's gradient is zero outside the batch's
@@ -24,6 +27,7 @@ rows: with fewer nonzeros than ``density · size``, a tensor sends its nonzeros,
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -50,14 +54,21 @@ def _rounded(thr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 class SegmentView:
-    """``|x|`` of one CPU buffer with its per-segment maxima, target counts and current selection
-    (the device path's twin: :class:`~horovod_safusion.compressors.device.DeviceView`).
+    """``|x|`` of one CPU buffer with its per-segment statistics and current selection: the host
+    path's view, the twin of :class:`~horovod_safusion.compressors.device.DeviceView`.
 
-    :meth:`apply` selects ``|x| >= threshold`` — in all segments, or again in some — and keeps the
-    count per segment; :meth:`indices` returns the final selection. Per-segment quantities
-    (:attr:`max`, :attr:`k`, :attr:`live`, :meth:`means`, :meth:`counts`) are NumPy arrays
-    indexed by segment, whatever the buffer's device.
+    A threshold compressor's :meth:`ThresholdCompressor.decide` is written once against the
+    interface both views share: per-segment quantities (:attr:`max`, :attr:`mean`, :attr:`unit`,
+    :attr:`live`, :attr:`k`) are arrays of the view's kind (NumPy here), and so are masks, counts
+    and thresholds; host-known arrays (:attr:`k_host`, index arrays of segments) are NumPy on both.
+    :meth:`apply` selects ``|x| >= threshold`` — in all segments, or again in those of a mask —
+    and returns the count per segment; :meth:`finish` ends the decision. Where the device view
+    must take every branch for every segment, this one skips: :meth:`any` says whether a mask
+    holds anything, and :meth:`kth`, :meth:`estimates` and :meth:`exceedance_moments` compute only
+    the segments their mask names.
     """
+
+    device = None  # arrays are NumPy (sample_positions draws on the host)
 
     def __init__(self, flat: torch.Tensor, segments: Segments, density: float,
                  scratch: IndexScratch | None = None) -> None:
@@ -70,14 +81,66 @@ class SegmentView:
         self.max, self._abs_sum = self._kernels.abs_stats(self._x)  # max: exact values of the dtype
         self.live = self.max > 0
         self.density = density  # the step's
-        self.k = segments.k_array(density)  # target count per segment
+        self.k = self.k_host = segments.k_array(density)  # target count per segment
+        self.mean = self._abs_sum / np.maximum(self.sizes, 1)  # of |x|
+        self.unit = np.maximum(self.mean, np.finfo(np.float64).tiny)  # a scale that is never zero
         self._scratch = scratch or IndexScratch()
         self._scratch.reserve(2 * int(self.k.sum()) + len(self.k))  # a selection ends in a band about k
         self._indices = None  # selected, ascending, in runs of self._counts
         self._counts: np.ndarray | None = None
         self._applied: np.ndarray | None = None  # per segment, the (clipped) threshold of its selection
+        self.corrected = np.zeros(len(self.k), dtype=bool)
         self._slot = 0
 
+    # -- arrays of the view's kind --------------------------------------------------------------
+    where, full = staticmethod(np.where), staticmethod(np.full)
+
+    @staticmethod
+    def array(a: np.ndarray) -> np.ndarray:
+        """A host array as an array of the view's kind."""
+        return a
+
+    @staticmethod
+    def any(mask: np.ndarray) -> bool:
+        """Whether ``mask`` holds anything (the device view cannot tell without a read: True)."""
+        return bool(mask.any())
+
+    @staticmethod
+    def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return a[idx]
+
+    @staticmethod
+    def put(a: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """``a`` with ``values`` at the host indices ``idx`` (a copy)."""
+        out = a.copy()
+        out[idx] = values
+        return out
+
+    @staticmethod
+    def assemble(n: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """A float64 array of ``n`` entries from ``(host indices, values)`` parts that cover it."""
+        out = np.empty(n, dtype=np.float64)
+        for idx, values in parts:
+            out[idx] = values
+        return out
+
+    @staticmethod
+    def state(kept: PerSegment, names: tuple[str, ...]) -> np.ndarray:
+        """A compressor's per-segment state of the layout ``names`` (a live array: assign with
+        ``[:]`` in :meth:`finish`'s commit)."""
+        return kept.of(names)
+
+    @staticmethod
+    def unseen(kept: PerSegment, names: tuple[str, ...]) -> np.ndarray | None:
+        """The segments of ``names`` that ``kept`` holds no value for (None: it holds them all)."""
+        new = np.isnan(kept.of(names))
+        return new if new.any() else None
+
+    def known_live(self) -> np.ndarray:
+        """:attr:`live` as the host knows it (the device view knows none: all True)."""
+        return self.live
+
+    # -- statistics -----------------------------------------------------------------------------
     def means(self, signed: bool = False, squares: bool = False) -> np.ndarray:
         """Per-segment mean of ``x`` or ``|x|`` (or of ``x²``), float64: one segmented sum (the mean
         of ``|x|`` was taken with the maxima)."""
@@ -87,19 +150,29 @@ class SegmentView:
             total = self._kernels.sums(self._x) if signed else self._abs_sum
         return total / np.maximum(self.sizes, 1)
 
+    def moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment, the mean of ``x`` and of ``x²`` (float64)."""
+        return self.means(signed=True), self.means(signed=True, squares=True)
+
+    # -- selection ------------------------------------------------------------------------------
     def _next_slot(self) -> int:
         self._slot ^= 1
         return self._slot
 
+    def rounded(self, thresholds: np.ndarray) -> np.ndarray:
+        """Thresholds as compared: clipped to the segment's maximum (every live segment keeps an
+        element), infinite for an all-zero segment, in the buffer's dtype."""
+        return _rounded(np.where(self.live, np.minimum(thresholds, self.max), np.inf), self._dtype)
+
     def apply(self, thresholds: np.ndarray, which: np.ndarray | None = None,
-              correction: Band | Steps | None = None) -> None:
+              correction: Band | Steps | None = None) -> np.ndarray:
         """Select ``|x| >= threshold`` (clipped to the segment's maximum, in the buffer's dtype)
-        in the segments ``which`` (all by default) and count what each of them selects. With a
-        ``correction`` (all segments only), a count outside it is corrected in the same pass
-        (:meth:`NumbaKernels.select_within`, :meth:`NumbaKernels.select_stepped`);
-        :attr:`corrected` lists those segments and :meth:`applied` their thresholds."""
-        thr = _rounded(np.where(self.live, np.minimum(thresholds, self.max), np.inf), self._dtype)
-        self.corrected = np.zeros(0, dtype=np.int64)
+        in the segments ``which`` (a mask or indices; all by default) and return what each segment
+        selects. With a ``correction`` (all segments only), a count outside it is corrected in the
+        same pass (:meth:`NumbaKernels.select_within`, :meth:`NumbaKernels.select_stepped`);
+        :attr:`corrected` masks those segments and :meth:`applied` has their thresholds."""
+        thr = self.rounded(thresholds)
+        self.corrected = np.zeros(len(thr), dtype=bool)
         if isinstance(correction, Band):
             self._indices, self._counts, self._applied = self._kernels.select_within(
                 self._x, thr, correction, self._scratch, self._next_slot())
@@ -108,13 +181,14 @@ class SegmentView:
                 self._x, np.where(self.live, thresholds, np.inf), correction, _rounded(self.max, self._dtype),
                 self._scratch, self._next_slot())
         if correction is not None:
-            self.corrected = np.flatnonzero(self._applied != thr)
-            return
+            self.corrected = self._applied != thr
+            return self._counts
         if which is None or self._indices is None:
             self._indices, self._counts = self._kernels.select(self._x, thr, self._scratch, self._next_slot())
             self._applied = thr
-            return
-        which = np.asarray(which, dtype=np.int64)
+            return self._counts
+        which = np.asarray(which)
+        which = np.flatnonzero(which) if which.dtype == bool else which.astype(np.int64)
         mode = np.full(len(thr), Reselection.KEPT, dtype=np.int8)
         mode[which] = Reselection.COMPARED  # unless a subset of a small selection:
         mode[which[(thr[which] >= self._applied[which])
@@ -122,6 +196,7 @@ class SegmentView:
         self._indices, self._counts = self._kernels.reselect(self._x, self._indices, self._counts, mode,
                                                              thr, self._scratch, self._next_slot())
         self._applied[which] = thr[which]
+        return self._counts
 
     def counts(self) -> np.ndarray:
         """Selected elements per segment (int64; read, do not modify)."""
@@ -131,39 +206,85 @@ class SegmentView:
         """The threshold each segment's selection used (clipped, corrected; read, do not modify)."""
         return self._applied
 
+    def finish(self, commit: Callable[[np.ndarray], None] | None = None) -> torch.Tensor:
+        """The decision taken: ``commit(counts)`` updates the compressor's state at once, and the
+        selected indices are returned (the device view returns a :class:`Proposal` that commits
+        once the buffer is known to be finite)."""
+        if commit is not None:
+            commit(self._counts)
+        return self.indices()
+
+    def indices(self) -> torch.Tensor:
+        """Buffer-relative indices of the selected elements, ascending (int64, a tensor of its own)."""
+        return self._kernels.to_indices(self._indices)
+
+    # -- exact thresholds, estimates and fits ---------------------------------------------------
+    def kth(self, mask: np.ndarray, selected: bool = False) -> np.ndarray:
+        """Per segment of ``mask``, its ``k``-th largest ``|x|`` (exact; other entries NaN). With
+        ``selected`` the segments select more than ``k`` now, and only their selection is ranked
+        (DGC's hierarchical selection: cost ∝ selected)."""
+        which = np.flatnonzero(mask)
+        out = np.full(len(self.k), np.nan)
+        if selected:
+            runs = np.cumsum(self._counts) - self._counts
+            out[which] = self._kernels.kth_largest(self._x, runs[which], self._counts[which], self.k[which],
+                                                   idx=self._indices)
+        else:
+            out[which] = self.kth_largest(which, self.k[which])
+        return out
+
     def kth_largest(self, which: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Per segment of ``which``, the ``ks``-th largest ``|x|`` (exact thresholds)."""
         return self._kernels.kth_largest(self._x, self.offsets[which], self.sizes[which], ks)
-
-    def kth_largest_selected(self, which: np.ndarray, ks: np.ndarray) -> np.ndarray:
-        """Per segment of ``which``, the ``ks``-th largest ``|x|`` among the elements it selects now
-        (DGC's hierarchical selection: cost ∝ selected)."""
-        runs = np.cumsum(self._counts) - self._counts
-        return self._kernels.kth_largest(self._x, runs[which], self._counts[which], ks, idx=self._indices)
 
     def kth_largest_at(self, idx: np.ndarray, lengths: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """The ``ks[j]``-th largest ``|x|`` at consecutive runs of buffer indices ``idx`` of
         ``lengths[j]`` elements each (a sample per segment)."""
         return self._kernels.kth_largest(self._x, np.cumsum(lengths) - lengths, lengths, ks, idx=idx)
 
-    def exceedance_moments(self, which: np.ndarray, eta: np.ndarray, inclusive: bool = False):
-        """Per segment of ``which``: count, mean and variance of ``|x| − eta`` over ``|x| > eta``
-        (``>=`` if ``inclusive``)."""
-        return self._kernels.exceedance_moments(self._x, which, eta, inclusive)
+    def estimates(self, estimate: Callable[[np.ndarray, np.ndarray], np.ndarray], mask: np.ndarray,
+                  effort: np.ndarray, levels: int) -> np.ndarray:
+        """Per segment of ``mask``, ``estimate(which, efforts)`` at its ``effort`` (other entries
+        NaN); ``levels`` efforts exist (the device view estimates them all at once)."""
+        which = np.flatnonzero(mask)
+        out = np.full(len(self.k), np.nan)
+        if which.size:
+            out[which] = estimate(which, effort[which].astype(np.int64))
+        return out
 
-    def indices(self) -> torch.Tensor:
-        """Buffer-relative indices of the selected elements, ascending (int64, a tensor of its own)."""
-        return self._kernels.to_indices(self._indices)
+    def abs_moments(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment of ``which``: mean and variance of ``|x|``."""
+        _, mean, var = self._kernels.exceedance_moments(self._x, which, np.zeros(len(which)), True)
+        return mean, var
+
+    def exceedance_moments(self, which: np.ndarray, eta: np.ndarray, inclusive: bool = False,
+                           where: np.ndarray | None = None):
+        """Per segment of ``which``: count, mean and variance of ``|x| − eta`` over ``|x| > eta``
+        (``>=`` if ``inclusive``); only where ``where`` (zeros elsewhere)."""
+        if where is None:
+            return self._kernels.exceedance_moments(self._x, which, eta, inclusive)
+        at = np.flatnonzero(where)
+        count, mean, var = np.zeros(len(which), dtype=np.int64), np.zeros(len(which)), np.zeros(len(which))
+        count[at], mean[at], var[at] = self._kernels.exceedance_moments(self._x, which[at], eta[at], inclusive)
+        return count, mean, var
+
+
+View = Union[SegmentView, DeviceView]  # what a threshold compressor decides in
 
 
 class ThresholdCompressor(Compressor):
-    """One threshold per segment, selected in one pass; subclasses say how thresholds are found.
+    """One threshold per segment, selected in one pass; a subclass says how thresholds are found,
+    once, for both paths.
 
-    Subclasses implement :meth:`thresholds` and may override :meth:`refine` to correct thresholds
-    from the counts they selected (re-applying some segments, or adjusting the next step's);
-    thresholds and counts are NumPy arrays indexed by segment. The selected indices go into an
-    :class:`~horovod_safusion.compressors.segmented.IndexScratch` kept between calls, so an
-    instance selects one buffer at a time, as the controller calls it.
+    Subclasses implement :meth:`decide` against a view — :class:`SegmentView` for CPU buffers,
+    :class:`~horovod_safusion.compressors.device.DeviceView` on the device path — whose arrays
+    are NumPy or device tensors alike: thresholds, counts and state are arrays indexed by
+    segment, a data-dependent branch is a mask (``view.where``), and a loop that the host may end
+    early asks ``view.any`` (the device view answers True and runs every pass, keeping per segment
+    what the host would have kept). Every state change happens in the ``commit`` given to
+    ``view.finish``: at once on the host, once the buffer is known to be finite on the device.
+    Selected indices go into an :class:`~horovod_safusion.compressors.segmented.IndexScratch` kept
+    between calls, so an instance selects one buffer at a time, as the controller calls it.
     """
 
     def __init__(self, density: float = 0.01) -> None:
@@ -173,32 +294,15 @@ class ThresholdCompressor(Compressor):
     def select_at(self, flat: torch.Tensor, segments: Segments, step: int, density: float) -> torch.Tensor:
         if not on_host(flat):
             return self.propose(flat, segments, step, density).decide(zero=False)[0][1]
-        view = SegmentView(flat, segments, density, self._scratch)
-        thr = self.thresholds(view, step)
-        view.apply(thr, correction=self.correction(view, step))
-        self.refine(view, thr, view.counts(), step)
-        return view.indices()
+        return self.decide(SegmentView(flat, segments, density, self._scratch), step)
 
     def propose(self, flat: torch.Tensor, segments: Segments, step: int, density: float | None = None,
                 stats: SegmentStats | None = None) -> Proposal:
-        return self.propose_on_device(DeviceView(flat, segments, self.density_of_step(density), stats), step)
+        return self.decide(DeviceView(flat, segments, self.density_of_step(density), stats), step)
 
     @abstractmethod
-    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """The device path: thresholds, corrections and the state update as device tensors
-        (:meth:`DeviceView.propose`)."""
-
-    @abstractmethod
-    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        """A threshold on ``|x|`` per segment (float64 array of length ``len(view.segments)``)."""
-
-    def correction(self, view: SegmentView, step: int) -> Band | Steps | None:
-        """How the first selection corrects counts by itself, per segment (None: it does not)."""
-        return None
-
-    def refine(self, view: SegmentView, thresholds: np.ndarray, counts: np.ndarray, step: int) -> None:
-        """Correct the selection from the counts ``thresholds`` gave (``view.apply`` again, for
-        some segments), or adjust state for the next step; the default keeps the selection."""
+    def decide(self, view: View, step: int) -> "torch.Tensor | Proposal":
+        """Select in ``view`` (``view.apply``) and end with ``view.finish(commit)``."""
 
 
 class PeriodicThreshold(ThresholdCompressor):
@@ -246,134 +350,70 @@ class PeriodicThreshold(ThresholdCompressor):
         self.interval, self.drift, self.refine_passes = int(interval), float(drift), int(refine_passes)
         self._threshold = PerSegment()  # per segment, in units of its mean |x|
         self._estimated_at = PerSegment()
-        self._effort = PerSegment(fill=0)  # per segment, raised by refine until the next periodic estimate
-        self._unit = np.ones(0)  # this step's mean |x| per segment
+        self._effort = PerSegment(fill=0)  # per segment, raised until the next periodic estimate
 
     max_effort: int = 0  # the largest ``effort`` that :meth:`estimate` distinguishes
     state_fields = ("_threshold", "_estimated_at", "_effort")
 
     @abstractmethod
-    def estimate(self, view: SegmentView, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
-                 step: int) -> np.ndarray:
-        """Thresholds on ``|x|`` of the segments ``which`` that select about ``ks`` elements each;
-        ``effort`` (0 to :attr:`max_effort`, per segment) counts the earlier estimates of a segment
-        that selected far too few. Called only for segments with ``k > 1``. The estimate of a
-        segment must depend on nothing but the segment, its effort and ``step``: the device path
-        estimates every segment at once and keeps those the host would have estimated."""
+    def estimate(self, view: View, which: np.ndarray, ks: np.ndarray, effort: np.ndarray,
+                 step: int) -> "np.ndarray | torch.Tensor":
+        """Thresholds on ``|x|`` of the segments ``which`` (host indices, which may repeat) that
+        select about ``ks`` elements each, at ``effort`` (0 to :attr:`max_effort`, per entry: the
+        earlier estimates of a segment that selected far too few), as an array of the view's kind.
+        Called only for segments with ``k > 1``. The estimate of a segment must depend on nothing
+        but the segment, its effort and ``step``: the host estimates the segments it must, the
+        device view every segment at every effort at once."""
 
-    @abstractmethod
-    def estimate_on_device(self, view: DeviceView, step: int) -> torch.Tensor:
-        """:meth:`estimate` of every segment at every effort: a float64 device tensor of shape
-        ``(segments, max_effort + 1)`` (segments with ``k = 1`` are replaced by their maximum)."""
+    def _estimates(self, view: View, mask, effort, step: int) -> "np.ndarray | torch.Tensor":
+        """:meth:`estimate` of the segments of ``mask`` at their ``effort`` (a segment with
+        ``k = 1``: its maximum, the exact threshold)."""
+        def estimate(which: np.ndarray, efforts: np.ndarray):
+            ks = view.k_host[which]
+            one, est = np.flatnonzero(ks <= 1), np.flatnonzero(ks > 1)
+            parts = [(one, view.take(view.max, which[one]))]
+            if est.size:
+                parts.append((est, self.estimate(view, which[est], ks[est], efforts[est], step)))
+            return view.assemble(len(which), parts)
+        return view.estimates(estimate, mask, effort, self.max_effort + 1)
 
-    def propose_on_device(self, view: DeviceView, step: int) -> Proposal:
-        """:meth:`thresholds`, :meth:`correction` and :meth:`refine` as device tensors, every
-        segment through every branch, each keeping the branch the host takes (a per-segment
-        ``torch.where``): the same thresholds, state and selection as the host path."""
-        names, device = view.segments.names, view.flat.device
-        state = self._threshold.on(names, device)
-        estimated_at, effort = self._estimated_at.on(names, device), self._effort.on(names, device)
-        age = step - estimated_at
-        stale = ~((age >= 0) & (age < self.interval))  # never estimated: NaN, stale
-        effort_now = torch.where(stale, 0.0, effort)  # a periodic estimate starts from the base effort
-        fresh = torch.where(stale, float(step), estimated_at)
-        estimates = torch.where(view.k[:, None] == 1, view.max[:, None], self.estimate_on_device(view, step))
-        estimate = estimates.gather(1, effort_now.long()[:, None]).squeeze(1)
-        relative = torch.where(stale, estimate / view.unit, state)
-        low, high = (constant(b, device) for b in self._band(view.k_host))
-        first = view.applied(torch.where(stale, estimate, state * view.unit))
-        applied, counts = self._within_band(view, first, view.live & (fresh != step), low, high)
-        relative = torch.where(applied != first, applied.double() / view.unit, relative)
-        for last in range(self.refine_passes, 0, -1):  # :meth:`refine`
-            too_many = view.live & (counts > high)
-            too_few = view.live & (counts < low) & (effort_now < self.max_effort)
-            effort_now = effort_now + (too_few & (fresh == step)).double()
-            new = torch.where(too_many, view.kth, estimates.gather(1, effort_now.long()[:, None]).squeeze(1))
-            again = too_many | too_few
-            relative = torch.where(again, new / view.unit, relative)
-            fresh = torch.where(too_few, float(step), fresh)
-            applied = torch.where(again, view.applied(new), applied)
-            if last > 1:  # the last pass's counts would decide nothing: the proposal selects anew
-                counts = torch.where(again, view.count(applied), counts)
-
-        def commit(_: torch.Tensor) -> None:
-            state.copy_(relative)
-            estimated_at.copy_(fresh)
-            effort.copy_(effort_now)
-            for kept in (self._threshold, self._estimated_at, self._effort):
-                kept.mark(names)
-
-        return view.propose(applied.double(), commit)
-
-    @staticmethod
-    def _within_band(view: DeviceView, applied: torch.Tensor, lower: torch.Tensor, low: torch.Tensor,
-                     high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device path's selection pass with its :class:`Band`
-        (:meth:`~horovod_safusion.compressors.segmented.NumbaKernels.select_within`): where
-        ``lower`` and too few, the threshold lowered along the exponential tail up to three times;
-        then too many (or, lowered, more than k) trimmed to the k-th largest. The applied
-        thresholds and their counts."""
-        counts = view.count(applied)
-        lowered = torch.zeros_like(lower)
-        for _ in range(LOWERINGS):
-            go = lower & (counts < low) & (applied > 0)
-            down = torch.clamp(applied.double() - view.unit * torch.log(view.k / torch.clamp(counts, min=1.0)), min=0.0)
-            applied = torch.where(go, down.to(applied.dtype), applied)
-            counts = torch.where(go, view.count(applied), counts)
-            lowered = lowered | go
-        trim = view.live & ((counts > high) | (lowered & (counts > view.k)))
-        applied = torch.where(trim, view.kth.to(applied.dtype), applied)
-        return applied, torch.where(trim, view.count(applied), counts)
-
-    def _estimate(self, view: SegmentView, which: np.ndarray, step: int) -> np.ndarray:
-        """New estimates of the segments ``which`` at their effort, kept in mean-|x| units; the
-        thresholds as estimated."""
-        names = view.segments.names
-        ks, thr = view.k[which], view.max[which]  # k = 1: the exact threshold is the maximum
-        est = ks > 1
-        if est.any():
-            thr[est] = self.estimate(view, which[est], ks[est], self._effort.of(names)[which[est]].astype(np.int64),
-                                     step)
-        self._threshold.of(names)[which] = thr / self._unit[which]
-        self._estimated_at.of(names)[which] = step
-        return thr
-
-    def thresholds(self, view: SegmentView, step: int) -> np.ndarray:
-        names = view.segments.names
-        self._unit = np.maximum(view.means(), np.finfo(np.float64).tiny)
-        age = step - self._estimated_at.of(names)
-        stale = np.flatnonzero(~((age >= 0) & (age < self.interval)))  # never estimated: NaN, stale
-        self._effort.of(names)[stale] = 0  # a periodic estimate starts from the base effort
-        thr = self._threshold.of(names) * self._unit
-        thr[stale] = self._estimate(view, stale, step)  # as estimated (``/ unit · unit`` may move it an ulp)
-        return thr
-
-    def _band(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def band(self, k: "np.ndarray | torch.Tensor") -> tuple:
         """The counts a segment with target ``k`` may select: ``[k / drift − 1, drift · (k + 1)]``."""
         return k / self.drift - 1, self.drift * (k + 1)
 
-    def correction(self, view: SegmentView, step: int) -> Band:
-        fresh = self._estimated_at.of(view.segments.names) == step
-        low, high = self._band(view.k)
-        return Band(k=view.k, low=low, high=high, lower=view.live & ~fresh, scale=self._unit)
-
-    def refine(self, view, thresholds, counts, step):
-        ks, live = view.k, view.live
-        low, high = self._band(ks)
-        names = view.segments.names
-        fixed = view.corrected  # by the selection pass: trimmed or lowered
-        self._threshold.of(names)[fixed] = view.applied()[fixed] / self._unit[fixed]
-        effort = self._effort.of(names)
+    def decide(self, view: View, step: int) -> "torch.Tensor | Proposal":
+        names, unit, live = view.segments.names, view.unit, view.live
+        state, estimated_at, effort = (view.state(kept, names)
+                                       for kept in (self._threshold, self._estimated_at, self._effort))
+        age = step - estimated_at
+        stale = ~((age >= 0) & (age < self.interval))  # never estimated: NaN, stale
+        effort_now, fresh, relative, thr = effort, estimated_at, state, state * unit
+        if view.any(stale):  # most steps reuse every threshold
+            effort_now = view.where(stale, 0.0, effort)  # a periodic estimate starts from the base effort
+            fresh = view.where(stale, float(step), estimated_at)  # the step each threshold was estimated at
+            estimate = self._estimates(view, stale, effort_now, step)
+            relative, thr = view.where(stale, estimate / unit, state), view.where(stale, estimate, thr)
+        low, high = self.band(view.k)
+        counts = view.apply(thr, correction=Band(k=view.k, low=low, high=high, lower=live & (fresh != step), scale=unit))
+        if view.any(view.corrected):  # trimmed or lowered
+            relative = view.where(view.corrected, view.applied() / unit, relative)
         for _ in range(self.refine_passes):
-            too_many = np.flatnonzero(live & (counts > high))
-            too_few = np.flatnonzero(live & (counts < low) & (effort < self.max_effort))
-            if not too_many.size and not too_few.size:
-                return
-            if too_many.size:  # DGC's hierarchical selection: the k-th largest among the candidates
-                thresholds[too_many] = view.kth_largest_selected(too_many, ks[too_many])
-                self._threshold.of(names)[too_many] = thresholds[too_many] / self._unit[too_many]
+            too_many = live & (counts > high)
+            too_few = live & (counts < low) & (effort_now < self.max_effort)
+            again = too_many | too_few
+            if not view.any(again):
+                break
             # far too high: estimated anew, harder if the estimate was fresh, and as hard from now on
-            effort[too_few[self._estimated_at.of(names)[too_few] == step]] += 1
-            thresholds[too_few] = self._estimate(view, too_few, step)
-            view.apply(thresholds, np.concatenate([too_many, too_few]))
-            counts = view.counts()
+            effort_now = effort_now + (too_few & (fresh == step))
+            new = view.where(too_many, view.kth(too_many, selected=True),
+                             self._estimates(view, too_few, effort_now, step))
+            relative = view.where(again, new / unit, relative)
+            fresh = view.where(too_few, float(step), fresh)
+            counts = view.apply(new, again)
+
+        def commit(_) -> None:
+            state[:], estimated_at[:], effort[:] = relative, fresh, effort_now
+            for kept in (self._threshold, self._estimated_at, self._effort):
+                kept.mark(names)
+
+        return view.finish(commit)

@@ -16,7 +16,7 @@ reads every element once or a few times, with no temporary as large as a tensor:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numba
 import numpy as np
@@ -24,17 +24,21 @@ import torch
 
 
 
-def compiled(func):
+def compiled(func: Callable | None = None, *, inline: str = "never") -> Callable:
     """``func`` compiled by Numba, its machine code cached beside the module (or in Numba's user
     cache where the package folder is read-only). Where no cache folder is writable at all (a
     read-only install with a read-only home; ``NUMBA_CACHE_DIR`` names one), it still compiles,
-    once per process, instead of failing the import."""
+    once per process, instead of failing the import. ``inline="always"`` (as
+    ``@compiled(inline="always")``) compiles a helper into each kernel that calls it, so that a
+    call per segment costs no call."""
+    if func is None:
+        return lambda f: compiled(f, inline=inline)
     try:
-        return numba.njit(cache=True, nogil=True)(func)
+        return numba.njit(cache=True, nogil=True, inline=inline)(func)
     except RuntimeError as error:  # Numba: "cannot cache function ...: no locator available"
         if "cannot cache" not in str(error):
             raise
-        return numba.njit(nogil=True)(func)
+        return numba.njit(nogil=True, inline=inline)(func)
 
 
 _jit = compiled

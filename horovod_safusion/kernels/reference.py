@@ -49,8 +49,13 @@ def exceedances(a: torch.Tensor, eta: torch.Tensor, table: BlockTable, inclusive
     return _per_segment(w.double(), table), _per_segment(y, table), _per_segment(y * y, table)
 
 
-#: Bits of a magnitude's IEEE pattern ranked per radix pass (the host's ``_kth_bits`` takes as many).
+#: Bits of a magnitude's IEEE pattern ranked per radix pass (the host's radix, ``segmented._radix``, takes as many).
 RADIX_BITS = 12
+#: On CUDA a pass ranks up to 16 bits while the histograms (groups × bins) stay within 2^HISTOGRAM_BITS
+#: counters: the first pass's atomic adds then spread over 16 times as many bins (a tensor's
+#: magnitudes share a few exponents, and 12 bits put most of them in a few bins), and a float32
+#: takes two passes instead of three (docs/benchmarks.md, "Every compressor's device path on the GPU").
+CUDA_RADIX_BITS, HISTOGRAM_BITS = 16, 22
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -58,21 +63,25 @@ def kth_largest(values: torch.Tensor, groups: torch.Tensor, ks: torch.Tensor) ->
     """Per group ``g``, the ``ks[g]``-th largest ``|values|`` among the elements with
     ``groups == g`` (``ks`` int64, clamped by the caller to ``[1, the group's size]``; an empty
     group gives 0), in ``values``' dtype, exactly: a radix selection on the magnitudes' IEEE bits
-    (which order them as the floats do), :data:`RADIX_BITS` bits per pass — a histogram per group
+    (which order them as the floats do), :data:`RADIX_BITS` bits per pass (on CUDA up to
+    :data:`CUDA_RADIX_BITS`) — a histogram per group
     of the elements whose higher bits match the bins found so far, for every group at once, with
     no boolean mask and no ``bincount`` (both read a size back to the host). The host path's
     ``NumbaKernels.kth_largest`` selects the same way, segment by segment."""
     count = ks.numel()
+    radix = RADIX_BITS
+    if values.is_cuda:
+        radix = max(RADIX_BITS, min(CUDA_RADIX_BITS, HISTOGRAM_BITS - (count + 1).bit_length()))
     nbits = 8 * values.element_size() - 1
     wide = torch.int64 if nbits > 31 else torch.int32  # float32 and narrower: int32 throughout
     bits = values.view(_SIGNED[values.element_size()]).to(wide) & ((1 << nbits) - 1)
-    groups = groups.to(wide if (count + 1) << RADIX_BITS < 2 ** 31 else torch.int64)
+    groups = groups.to(wide if (count + 1) << radix < 2 ** 31 else torch.int64)
     prefix = torch.zeros(count, dtype=wide, device=values.device)
     need = ks.to(torch.int64)
     one = torch.ones(1, dtype=torch.int64, device=values.device).expand(values.numel())
     shift = nbits
     while shift > 0:
-        width = min(RADIX_BITS, shift)
+        width = min(radix, shift)
         shift -= width
         bins = 1 << width
         high = shift + width  # bits at and above it are fixed by the prefix

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from horovod_safusion.compressors import (DGC, Compressor, ExDyna, GaussianK, RandomK, RedSync, SIDCo, TopK,
+from horovod_safusion.compressors import (COMPRESSORS, DGC, Compressor, ExDyna, GaussianK, RandomK, RedSync, SIDCo, TopK,
                                           available_compressors, make_compressor, register_compressor)
 from horovod_safusion.compressors.sidco import quantile
 from horovod_safusion.compressors.threshold import SegmentView
@@ -145,11 +145,12 @@ def test_gaussiank_threshold_is_the_normal_percent_point():
     g = torch.Generator().manual_seed(1)
     flat = 3.0 * torch.randn(400_000, generator=g)
     c = GaussianK(0.05, refine_passes=0)
-    thr = c.thresholds(SegmentView(flat, segs(400_000), 0.05), 0)
-    assert float(thr[0]) == pytest.approx(3.0 * 1.959964, rel=0.01)  # Φ⁻¹(0.975) σ
-    c.density = 0.01  # as a density warm-up sets it between steps
-    thr = c.thresholds(SegmentView(flat, segs(400_000), 0.01), 1)
-    assert float(thr[0]) == pytest.approx(3.0 * 2.575829, rel=0.01)  # Φ⁻¹(0.995) σ
+    view = SegmentView(flat, segs(400_000), 0.05)
+    c.decide(view, 0)
+    assert float(view.applied()[0]) == pytest.approx(3.0 * 1.959964, rel=0.01)  # Φ⁻¹(0.975) σ
+    view = SegmentView(flat, segs(400_000), 0.01)  # the step's density, as a density warm-up sets it
+    c.decide(view, 1)
+    assert float(view.applied()[0]) == pytest.approx(3.0 * 2.575829, rel=0.01)  # Φ⁻¹(0.995) σ
 
 
 def test_exdyna_scales_thresholds_by_algorithm_5():
@@ -242,7 +243,7 @@ def test_topk_batched_path_equals_per_segment_topk():
 
 
 def _carried(name: str, steps: int = 12, dtype: torch.dtype = torch.float32,
-             density: float = 0.01) -> tuple[list[torch.Tensor], dict]:
+             density: float = 0.01, **options) -> tuple[list[torch.Tensor], dict]:
     """A compressor's selections step after step, with residuals carried as the controller
     carries them (so reused thresholds and corrections are exercised), and its per-segment state
     in the end. The segments differ in scale and shape: one is all zero; one is uniform (a light
@@ -250,8 +251,8 @@ def _carried(name: str, steps: int = 12, dtype: torch.dtype = torch.float32,
     gradient: sampled thresholds are zero and select too few, effort after effort); one is
     Cauchy and one mostly tiny with rare spikes (where a new estimate with more effort selects
     too many); one changes its shape from step to step (Gaussian, then heavy-tailed), so that
-    reused thresholds select too many and too few."""
-    c = make_compressor(name, density)
+    reused thresholds select too many and too few. ``options`` go to the compressor's class."""
+    c = COMPRESSORS.get(name)(density=density, **options)
     s = segs(50_000, 3_000, 700, 64, 5, 20_000, 8_000, 30_000, 20_000, 20_000)
     heavy, uniform, sparse, cauchy, spiky = s.offsets[5:]
     residual, out = torch.zeros(s.numel, dtype=dtype), []
@@ -300,6 +301,36 @@ def test_device_path_selects_as_the_host_path(name, dtype, density, paths):
         np.testing.assert_allclose(device_state[field], values, rtol=1e-9, err_msg=field)
 
 
+@pytest.mark.parametrize("name,options", [("sidco", dict(stages=3)), ("sidco", dict(distribution="gamma-gpareto")),
+                                          ("exdyna", dict(relative=False)), ("dgc", dict(interval=1))])
+def test_device_path_selects_as_the_host_path_under_other_options(name, options, paths):
+    """As above, with settings that take other branches of the one algorithm: three SIDCo stages
+    (an estimate fits the same segment at several efforts in one call), the gamma fit, ExDyna's
+    absolute thresholds, DGC estimating at every step."""
+    host, host_state = _carried(name, **options)
+    paths(device_path=True)
+    device, device_state = _carried(name, **options)
+    for step, (a, b) in enumerate(zip(host, device)):
+        assert torch.equal(a, b), (step, a.numel(), b.numel())
+    for field, values in host_state.items():
+        np.testing.assert_allclose(device_state[field], values, rtol=1e-9, err_msg=field)
+
+
+def test_device_view_fits_repeated_segments_as_the_host_view(paths):
+    """The views' exceedance fits per entry, with a segment asked for several times (the device
+    view passes over the buffer once per layer of distinct segments)."""
+    from horovod_safusion.compressors.device import DeviceView
+
+    s, flat = gaussian_segments()
+    which, eta = np.array([0, 1, 0, 2, 0, 1, 3]), np.array([0.5, 1e-3, 1.0, 0.1, 2.0, 0.0, 0.0])
+    count, mean, var = SegmentView(flat, s, 0.01).exceedance_moments(which, eta)
+    paths(device_path=True)
+    got = DeviceView(flat, s, 0.01).exceedance_moments(which, torch.from_numpy(eta))
+    assert got[0].tolist() == count.tolist()
+    np.testing.assert_allclose(got[1].numpy(), mean, rtol=1e-6)
+    np.testing.assert_allclose(got[2].numpy(), var, rtol=1e-5, atol=1e-18)
+
+
 def test_segment_view_reselecting_some_segments_equals_selecting_afresh():
     s, flat = gaussian_segments()
     first = np.array([1.0, 1e-3, 1.0, 1.0])
@@ -332,8 +363,9 @@ def test_segment_view_kth_largest_and_exceedance_moments():
     for j, (o, n, k) in enumerate(((0, 200_000, 7), (200_000, 30_000, 300), (230_000, 64, 64))):
         assert kth[j] == float(torch.topk(a[o:o + n], k).values.min())
     view.apply(np.array([2.0, 1e-3, 0.0, 1.0]))
-    chosen = view.kth_largest_selected(np.array([0, 1]), np.array([10, 10]))
-    assert chosen[0] == kth_ref(a[:200_000], 10) and chosen[1] == kth_ref(a[200_000:230_000], 10)
+    chosen = view.kth(np.array([True, True, False, False]), selected=True)  # k = 1 % of the segment
+    assert chosen[0] == kth_ref(a[:200_000], 2000) and chosen[1] == kth_ref(a[200_000:230_000], 300)
+    assert np.isnan(chosen[2:]).all()
     eta = np.array([1.0, 0.0])
     count, mean, var = view.exceedance_moments(np.array([0, 3]), eta)
     tail = a[:200_000][a[:200_000] > 1.0] - 1.0
@@ -395,7 +427,7 @@ def test_selection_pass_trims_too_many_and_lowers_too_few():
     assert counts[0] == 200 and applied[0] == kth_ref(a[:20_000], 200)  # trimmed: exactly k
     assert band.low[1] <= counts[1] <= 200 and applied[1] < 3.5  # lowered into the band
     assert counts[2] == int((a[40_000:] >= 3.5).sum()) and applied[2] == np.float32(3.5)  # not allowed
-    assert view.corrected.tolist() == [0, 1]
+    assert np.flatnonzero(view.corrected).tolist() == [0, 1]
     expected = torch.nonzero(a >= torch.repeat_interleave(torch.from_numpy(applied), torch.tensor(s.sizes))).squeeze(1)
     assert torch.equal(view.indices(), expected)
 
