@@ -252,7 +252,7 @@ def _carried(name: str, steps: int = 12, dtype: torch.dtype = torch.float32,
     Cauchy and one mostly tiny with rare spikes (where a new estimate with more effort selects
     too many); one changes its shape from step to step (Gaussian, then heavy-tailed), so that
     reused thresholds select too many and too few. ``options`` go to the compressor's class."""
-    c = COMPRESSORS.get(name)(density=density, **options)
+    c = make_compressor(COMPRESSORS.get(name)(density=density, **options), None)  # tests/gpu wraps make_compressor
     s = segs(50_000, 3_000, 700, 64, 5, 20_000, 8_000, 30_000, 20_000, 20_000)
     heavy, uniform, sparse, cauchy, spiky = s.offsets[5:]
     residual, out = torch.zeros(s.numel, dtype=dtype), []
