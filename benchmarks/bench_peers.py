@@ -832,17 +832,18 @@ def report(results: dict, args) -> dict:
             print(f"\n{model} ({weights}), link {link}, {res['workers']} workers per job, "
                   f"batch {args.batch_size}/worker, {args.alternations} alternations x {args.steps} steps, "
                   f"pinned {cores}")
-            print(f"{'scheme':<16} {'s/iteration [min–max]':>24} | {'CPU s/it/worker':>15} {'training':>9} "
+            w = max([16] + [len(k) for k in res["jobs"]])  # the first column fits the longest label
+            print(f"{'scheme':<{w}} {'s/iteration [min–max]':>24} | {'CPU s/it/worker':>15} {'training':>9} "
                   f"{'other thr':>9} | {'scaling [min–max]':>20} | {'steady MB':>9} {'peak MB':>8} "
                   f"{'+steady':>7} {'+peak':>6} {'rise MB':>7} {'held x':>6}")
             for k in res["jobs"]:
                 if k in s["failed"]:
-                    print(f"{k:<16} failed: {s['failed'][k]}")
+                    print(f"{k:<{w}} failed: {s['failed'][k]}")
                     continue
                 row, m = s["schemes"][k], s["schemes"][k]["memory"]
                 over = m.get("over_compute")
                 held = "-" if m["held"] is None else format(m["held"] / s["model_bytes"], ".2f")
-                print(f"{k:<16} {fmt(row['wall']):>24} | {row['cpu']['median']:>15.3f} "
+                print(f"{k:<{w}} {fmt(row['wall']):>24} | {row['cpu']['median']:>15.3f} "
                       f"{row['training']['median']:>9.3f} {row['other']['median']:>9.3f} | "
                       f"{fx(row['scaling']) if 'scaling' in row else '-':>20} | "
                       f"{mb(m['steady']):>9} {mb(m['peak']):>8} "
@@ -858,7 +859,7 @@ def report(results: dict, args) -> dict:
                 print("scaling factor = compute s/it / scheme s/it (median [min–max] of per-alternation ratios; "
                       "1: communication costs nothing)")
                 for k, r in scaling.items():
-                    print(f"  {k:<16} {fx(r)}")
+                    print(f"  {k:<{w}} {fx(r)}")
             if s["speedups"]:
                 print("safusion speedup = peer s/it / safusion s/it (median [min–max] of per-alternation "
                       "ratios; >1: safusion faster)")
