@@ -260,9 +260,6 @@ class DeviceView:
     def applied(self) -> torch.Tensor:
         return self._applied
 
-    def counts(self) -> torch.Tensor:
-        return self._counts
-
     def finish(self, commit: Callable[[torch.Tensor], None] | None = None) -> Proposal:
         """The last comparison as a :class:`Proposal`; ``commit(counts)`` updates the compressor's
         state once the buffer is known to be finite."""

@@ -141,18 +141,11 @@ class SegmentView:
         return self.live
 
     # -- statistics -----------------------------------------------------------------------------
-    def means(self, signed: bool = False, squares: bool = False) -> np.ndarray:
-        """Per-segment mean of ``x`` or ``|x|`` (or of ``x²``), float64: one segmented sum (the mean
-        of ``|x|`` was taken with the maxima)."""
-        if squares:
-            total = self._kernels.sums(self._x, squares=True)
-        else:
-            total = self._kernels.sums(self._x) if signed else self._abs_sum
-        return total / np.maximum(self.sizes, 1)
-
     def moments(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per segment, the mean of ``x`` and of ``x²`` (float64)."""
-        return self.means(signed=True), self.means(signed=True, squares=True)
+        """Per segment, the mean of ``x`` and of ``x²`` (float64): a segmented sum each (the mean of
+        ``|x|``, :attr:`mean`, was taken with the maxima)."""
+        n = np.maximum(self.sizes, 1)
+        return self._kernels.sums(self._x) / n, self._kernels.sums(self._x, squares=True) / n
 
     # -- selection ------------------------------------------------------------------------------
     def _next_slot(self) -> int:
@@ -170,9 +163,9 @@ class SegmentView:
         in the segments ``which`` (a mask or indices; all by default) and return what each segment
         selects. With a ``correction`` (all segments only), a count outside it is corrected in the
         same pass (:meth:`NumbaKernels.select_within`, :meth:`NumbaKernels.select_stepped`);
-        :attr:`corrected` masks those segments and :meth:`applied` has their thresholds."""
+        :attr:`corrected` then masks those segments (it is left as it was by an apply without a
+        correction) and :meth:`applied` has their thresholds."""
         thr = self.rounded(thresholds)
-        self.corrected = np.zeros(len(thr), dtype=bool)
         if isinstance(correction, Band):
             self._indices, self._counts, self._applied = self._kernels.select_within(
                 self._x, thr, correction, self._scratch, self._next_slot())

@@ -419,7 +419,7 @@ def test_selection_pass_trims_too_many_and_lowers_too_few():
     view = SegmentView(flat, s, 0.01)
     k = view.k  # 200 each
     band = segmented.Band(k=k, low=k / 2 - 1, high=2 * (k + 1), lower=np.array([True, True, False]),
-                          scale=view.means())
+                          scale=view.mean)
     thr = np.array([1.0, 3.5, 3.5])  # ~32 % selected; ~0.05 % (far too few) twice
     view.apply(thr, correction=band)
     counts, applied = view.counts(), view.applied()
