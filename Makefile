@@ -35,7 +35,7 @@ LINKS ?= loopback 1gbit 200mbit
 bench-peers: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_peers.py --np $(NP) --links $(LINKS)
 
-# every scheme at 2, 4 and 8 hosts of a cluster on one machine (root), 1 Gbit/s and 200 Mbit/s per host
+# ours, Horovod and DDP + PowerSGD at 2, 4 and 8 hosts of a cluster on one machine (root), 1 Gbit/s per host
 bench-scale: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_scale_out.py

@@ -720,6 +720,11 @@ def drive(args) -> None:
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     results: dict = {}
     settings = [(hosts, link) for hosts in (args.hosts or [None]) for link in args.links]
+    labels = [link if hosts is None else f"{hosts}x{link}" for hosts, link in settings]
+    unknown = [s for s in args.skip if s not in labels]
+    if unknown:
+        raise SystemExit(f"--skip {' '.join(unknown)}: not a setting of this run; its settings are {' '.join(labels)}")
+    settings = [s for s, label in zip(settings, labels) if label not in args.skip]
     for hosts, link in settings:
         label = link if hosts is None else f"{hosts}x{link}"  # e.g. 4x1gbit: 4 hosts, 1 Gbit/s each
         args.on_hosts = hosts
@@ -935,6 +940,8 @@ def main() -> None:
                          "hosts, one worker per host, each host with a link of each --links rate; replaces --np")
     ap.add_argument("--links", nargs="+", default=[LOOPBACK, "1gbit", "200mbit"],
                     help="'loopback' or tc rates (each in a network namespace; needs root)")
+    ap.add_argument("--skip", nargs="+", default=[], metavar="LABEL",
+                    help="settings of hosts and link not to run, as labelled in the results (e.g. 8x200mbit)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES),
                     help="subset of the defaults, plus name:key=value:... variants of our optimizer")

@@ -3,9 +3,9 @@
     python benchmarks/bench_scale.py [--hosts 2 4 8] [--links 1gbit 200mbit] [--models resnet18 lstm]
                                      [--alternations 3] [bench_peers' other options]
 
-Every scheme of ``bench_peers`` (compute alone, Horovod, Horovod fp16, DDP, DDP + PowerSGD, ours)
-plus ours with each communicator (``allgather``, ``spardl``, ``zen``, ``exdyna`` with its
-compressor) and forced dense, at P hosts of one worker each (``scripts/cluster.sh``: a network
+Compute alone, Horovod, DDP + PowerSGD and ours (the default, and each communicator forced sparse:
+``allgather``, ``spardl``, ``zen`` with ``dense=False``, so that their rows compare the protocols
+and not each job's own choice of dense), at P hosts of one worker each (``scripts/cluster.sh``: a network
 namespace per host with its own link of the given rate both ways, its own sshd; root), each
 peer launched as its users launch it: ``horovodrun -H h1:1,...`` from host 1 over ssh, and one
 ``torch.distributed.run`` per host meeting at host 1 for compute and DDP. The method is
@@ -13,6 +13,15 @@ peer launched as its users launch it: ``horovodrun -H h1:1,...`` from host 1 ove
 are its tables per (P, link, model). Bytes received per worker are read from the worker's host
 interface (``/sys/class/net/sfnet/statistics/rx_bytes``, the most any host received per step):
 measured for every scheme, peers included.
+
+What runs by default, chosen so that the whole stays within about an hour on a 2-core machine
+(each part's duration measured in a full run; docs/benchmarks.md): P = 2, 4 and 8 at 1 Gbit/s per
+host, where ``bench_scale_out`` fits its cost model, and the schemes above. Left out, and run by
+giving ``--links``, ``--schemes`` or ``--skip``: 200 Mbit/s (the peers' gap is widest there, but
+each link costs the run again), Horovod with ``Compression.fp16``, plain DDP (a dense allreduce,
+as Horovod's), ours forced dense (``safusion:dense=true``; the default measures dense against
+sparse in its own trial) and ExDyna's communicator (its own compressor, measured by
+``bench_compressors`` and ``bench_convergence``).
 
 Sizes, so that 8 workers fit 2 cores' memory and time: CIFAR ResNet-18 at width 32 (2.8 M weights)
 and the LSTM language model at 256 units (6.2 M weights, vocabulary 10000), batch 16 per worker.
@@ -27,15 +36,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_peers  # noqa: E402
 
-SCHEMES = ["compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd", "safusion",
-           "safusion:communicator=allgather", "safusion:communicator=spardl", "safusion:communicator=zen",
-           "safusion:communicator=exdyna:compressor=exdyna", "safusion:dense=true"]
-DEFAULTS = ["--hosts", "2", "4", "8", "--links", "1gbit", "200mbit", "--width", "32", "--hidden", "256",
+SCHEMES = ["compute", "horovod", "ddp-powersgd", "safusion", "safusion:communicator=allgather:dense=false",
+           "safusion:communicator=spardl:dense=false", "safusion:communicator=zen:dense=false"]
+DEFAULTS = ["--hosts", "2", "4", "8", "--links", "1gbit", "--width", "32", "--hidden", "256",
             "--alternations", "3", "--out", "out/bench_scale", "--schemes", *SCHEMES]
 
 
@@ -122,6 +131,7 @@ def plot(table: dict, path: str) -> None:
 
 
 def main() -> None:
+    started = time.time()
     argv = with_defaults(sys.argv[1:])
     sys.argv = [os.path.join(HERE, "bench_peers.py"), *argv]
     bench_peers.main()
@@ -131,7 +141,7 @@ def main() -> None:
     with open(os.path.join(out, "scale.json"), "w") as f:
         json.dump(table, f, indent=1)
     plot(table, os.path.join(out, "bench_scale.png"))
-    print(f"wrote {out}/scale.json, bench_scale.png")
+    print(f"wrote {out}/scale.json, bench_scale.png; {(time.time() - started) / 60:.1f} minutes in all")
 
 
 if __name__ == "__main__":

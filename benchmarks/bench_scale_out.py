@@ -40,10 +40,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from horovod_safusion.fusion import (CupcakePlanner, OkTopkPlanner, OMGSPlanner, Profile,  # noqa: E402
                                      SAFusionPlanner, WFBPPlanner, simulate)
 from horovod_safusion.fusion.scaling import fit_profiles, scaled  # noqa: E402
+from schemes import parse  # noqa: E402
 
-#: Our schemes of bench_scale: key -> the communicator they send over (None: the plan's choice).
-OURS = {"safusion": None, "safusion:communicator=allgather": "allgather", "safusion:communicator=spardl": "spardl",
-        "safusion:communicator=zen": "zen", "safusion:dense=true": None}
 FIGURE_14 = {"safusion": SAFusionPlanner(dense=False), "cupcake": CupcakePlanner(max_states=20_000),
              "omgs": OMGSPlanner(), "oktopk": OkTopkPlanner(), "wfbp": WFBPPlanner()}
 OPTIONS = ("allgather", "spardl", "zen", "dense")
@@ -95,7 +93,8 @@ def check(raw: dict, summary: dict, model: str, link: str) -> list[dict]:
     largest = max(default)
     fits = fit_profiles({p: prof for p, prof in default.items() if p < largest}, rate_bits(link))
     cell = summary[model][f"{largest}x{link}"]
-    for key, communicator in OURS.items():
+    for key in cell.get("plans", {}):  # our jobs: the default, each communicator, forced dense
+        communicator = parse(key).options.get("communicator")  # None: the plan's choice
         own = profiles_by_p(raw, model, link, key).get(largest)
         info = cell.get("plans", {}).get(key)
         if own is None or info is None or key not in cell["schemes"]:

@@ -17,7 +17,9 @@ one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used
 only). Measurements are reduced across ranks — back-propagation and compression times by the
 element-wise maximum (the slowest rank sets the pace), collective times by the minimum (the last
 rank to arrive sees the collective's own duration, the others also their wait for it); message
-sizes are the same on every rank by construction. So every rank builds the same
+sizes are the same on every rank by construction. Each buffer's fixed work on the training thread
+(starting its collective, decoding its result) is fitted from the profiled steps' spans
+(:func:`fixed_cost`) and priced per buffer (:attr:`~horovod_safusion.fusion.Profile.buffer_cost`). So every rank builds the same
 :class:`~horovod_safusion.fusion.Profile` and hence the same plan, and all switch at the same step.
 Residuals are per parameter, so nothing is lost across the switch. ``replan_every=R`` re-profiles
 (on the current plan) every R steps.
@@ -34,20 +36,22 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import horovod.torch as hvd
+from scipy.optimize import nnls
 
 from . import sweeps, trial
 from .clock import Clock
 from .communicators.base import contenders
 from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
-from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SYNCHRONIZE, Observer
+from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, Observer
 from .plan import FusionPlan, TensorInfo
 from .session import collective
 
 
 class ProfiledStep(Observer):
-    """The marks of one profiled step: each gradient hook's start and end, the decoding and
-    write-back of each buffer, and the end of ``synchronize()``."""
+    """The marks of one profiled step: each gradient hook's start and end, the start of each
+    buffer's collective, the decoding and write-back of each buffer, and the end of
+    ``synchronize()``."""
 
     profiles = True
 
@@ -55,29 +59,54 @@ class ProfiledStep(Observer):
         self.clock, self.mark = clock, clock.mark
         self.previous_end = previous_end
         self.hooks: list[tuple[str, Any, Any]] = []        # (tensor, hook start, hook end)
-        self.aggregations: list[tuple[Any, Any]] = []      # decoding and write-back spans, per buffer
+        self.launches: list[tuple[int, Any, Any]] = []     # (buffer, start of its collective's span)
+        self.aggregations: list[tuple[int, Any, Any]] = []  # (buffer, decoding or write-back span)
         self.sync_end: Any = None
 
     def record(self, phase: str, start: Any, end: Any, args: dict | None) -> None:
         if phase == GRADIENT_READY:
             self.hooks.append((args["tensor"], start, end))
+        elif phase == SUBMIT:
+            self.launches.append((args["buffer"], start, end))
         elif phase == DECOMPRESS or phase == MEMCPY_OUT:
-            self.aggregations.append((start, end))
+            self.aggregations.append((args["buffer"], start, end))
         elif phase == SYNCHRONIZE:
             self.sync_end = end
 
     def resolve(self, step_end: Any) -> dict:
-        """Seconds: pure ready offsets per tensor, prefix and suffix."""
+        """Seconds: pure ready offsets per tensor, prefix and suffix, and per buffer the start of
+        its collective (``launch``) and its decoding and write-back (``decode``)."""
         sec = self.clock.seconds
         ready, busy = {}, 0.0
         first = self.hooks[0][1] if self.hooks else self.sync_end
         for name, enter, leave in self.hooks:
             ready[name] = sec(first, enter) - busy
             busy += sec(enter, leave)
+        launch: dict[int, float] = {}
+        decode: dict[int, float] = {}
+        for spans, into in ((self.launches, launch), (self.aggregations, decode)):
+            for buffer, a, b in spans:
+                into[buffer] = into.get(buffer, 0.0) + sec(a, b)
         # After the last collective: decoding and write-back of every buffer, then the optimizer's
         # own step. Waiting for collectives is communication, which the simulator models itself.
-        suffix = sum(sec(a, b) for a, b in self.aggregations) + sec(self.sync_end, step_end)
-        return {"ready": ready, "prefix": sec(self.previous_end, first), "suffix": suffix}
+        suffix = sum(decode.values()) + sec(self.sync_end, step_end)
+        return {"ready": ready, "prefix": sec(self.previous_end, first), "suffix": suffix,
+                "launch": launch, "decode": decode}
+
+
+def fixed_cost(nbytes: Sequence[float], seconds: Sequence[float]) -> float:
+    """The part of a per-buffer cost that does not grow with the buffer: the intercept ``a`` of
+    ``seconds ≈ a + b · nbytes`` fitted non-negative (``scipy.optimize.nnls``) with relative
+    errors, so that the small buffers, which tell the intercept, weigh as much as the large.
+    0 where fewer than three sizes were measured (the intercept is not told apart)."""
+    x = np.asarray(nbytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if len(np.unique(x)) < 3:
+        return 0.0
+    a = np.stack([np.ones_like(x), x / max(float(x.max()), 1.0)], axis=1)
+    w = 1.0 / np.maximum(t, 1e-6)
+    (intercept, _), _ = nnls(a * w[:, None], t * w)
+    return float(intercept)
 
 
 class OnlineProfiler:
@@ -217,6 +246,7 @@ class OnlineProfiler:
         ready = [0.0 if np.isnan(r) else r for r in ready]
         prefix = float(np.median([x["prefix"] for x in s]))
         suffix = float(np.median([x["suffix"] for x in s]))
+        buffer_cost, suffix = self._buffer_cost(controller, suffix)
         dtype = self.dtypes[max(tensors, key=lambda t: t.numel).name]  # the sweeps' data
         device = controller.device
         comp = controller.compressor
@@ -241,6 +271,7 @@ class OnlineProfiler:
 
         # each step's phases and each selection's time are the slowest rank's
         slowest = reduce_by_name({"ready": ready, "prefix": [prefix], "suffix": [suffix], "segment_cost": [per_segment],
+                                  "buffer_cost": [buffer_cost],
                                   "compress": cp_secs,
                                   **{f"compress@{d}": secs for d, (_, secs, _) in zip(candidates, at_density)},
                                   **{f"segment_cost@{d}": [seg] for d, (_, _, seg) in zip(candidates, at_density)}},
@@ -252,19 +283,37 @@ class OnlineProfiler:
         curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
         ready, cp_secs = slowest["ready"], slowest["compress"]
         prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
+        buffer_cost = slowest["buffer_cost"][0]
         densities = {d: (CostCurve(sizes, slowest[f"compress@{d}"]), slowest[f"segment_cost@{d}"][0])
                      for d, (sizes, _, _) in zip(candidates, at_density)}
         order = sorted(range(len(names)), key=lambda i: (ready[i], i))
         wire = sweeps.wire_bytes(comm.compression, {t.name: self.dtypes[t.name] for t in tensors})
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
-            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, communicate=curves[comm.name],
+            compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, buffer_cost=buffer_cost,
+            communicate=curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(),
             dense_allreduce=CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None,
             communicators=curves if chooses else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
+
+
+    def _buffer_cost(self, controller: Controller, suffix: float) -> tuple[float, float]:
+        """The fixed work per buffer (:attr:`Profile.buffer_cost`) from the profiled steps: the
+        intercepts, against the buffer's dense bytes, of starting its collective and of decoding
+        it (medians over the steps, per buffer of the plan profiled); and ``suffix`` without the
+        decoding's fixed part, which the profiled plan paid once per buffer and a plan of another
+        number of buffers pays as often as it has buffers."""
+        nbytes = {b.index: float(sum(p.numel() * p.element_size() for p in b.params)) for b in controller.buffers}
+        s = self._samples
+        intercepts = []
+        for phase in ("launch", "decode"):
+            spans = {i: float(np.median([x[phase].get(i, 0.0) for x in s])) for i in nbytes}
+            intercepts.append(fixed_cost([nbytes[i] for i in spans], list(spans.values())))
+        after = float(np.median([x["suffix"] - sum(x["decode"].values()) for x in s]))
+        return sum(intercepts), max(after, suffix - len(nbytes) * intercepts[1])
 
 
 def reduce_by_name(records: dict[str, list[float]], op: int, name: str, process_set: Any) -> dict[str, list[float]]:

@@ -92,8 +92,8 @@ class _Timeline:
                 selected = np.maximum(1, np.rint(p.density * np.cumsum(numel[k:])))
                 message = selected * np.maximum.accumulate(wire[k:])
             g[k, k:] = p.communicate(message)
-            if p.density < 1.0:  # Profile.t_cp: no compression at density 1
-                h[k, k:] = p.compress(dense.astype(np.float64))
+            # Profile.t_cp: the buffer's fixed work, plus compression below density 1
+            h[k, k:] = p.buffer_cost + (p.compress(dense.astype(np.float64)) if p.density < 1.0 else 0.0)
         self.h, self.g = h.tolist(), g.tolist()  # lists: fast scalar look-ups in the recursion
         # numpy copies for the optimistic outcome of all candidate groups of a state at once;
         # h_rest[i] = h(i+1, N−1), g_rest likewise (0 past the end)

@@ -16,12 +16,14 @@ back-propagation), ``L`` when the link is free after their collectives. With an 
     start_alone  = max(ready(l−1) + C + T_cp(cur),      L)   # cur closed now
     start_merged = max(ready(l)   + C + T_cp(cur + l),  L)   # cur waits for l
     added_wait   = start_merged − start_alone
-    saved        = communicate(0 B) + compress(0 B)          # one collective, one selection fewer
+    saved        = communicate(0 B) + compress(0 B)          # one collective, one selection fewer,
+                   + buffer_cost                             # one buffer's fixed work fewer
 
 ``l`` joins ``cur`` when ``added_wait < saved``; otherwise ``cur`` is closed (``C += T_cp(cur)``,
 ``L = start_alone + T_cm(cur)``) and ``l`` opens a new buffer. ``saved`` is each profiled curve's
 value at 0 bytes, its start-up (α) time; compression counts because selection runs once per buffer
-(``compress(0)`` is 0 at density 1, where nothing is compressed). A buffer never spans a change of
+(``compress(0)`` is 0 at density 1, where nothing is compressed), and so does the profile's
+fixed work per buffer (:attr:`~.profile.Profile.buffer_cost`). A buffer never spans a change of
 dtype/device group. The rule is greedy and local (``O(N)`` decisions); it does not claim optimality.
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ class OMGSPlanner(Planner):
                              "is required (the optimizer profiles the job online first; offline: "
                              "planner.plan(tensors, profile))")
         p = profile
-        saved = p.communicate(0.0) + (p.compress(0.0) if p.density < 1.0 else 0.0)
+        saved = p.communicate(0.0) + (p.compress(0.0) if p.density < 1.0 else 0.0) + p.buffer_cost
         order = sorted(range(len(p.tensors)), key=lambda i: (p.ready[i], i))  # back-propagation order
         names = [p.tensors[i].name for i in order]
         group = {t.name: t.group for t in p.tensors}

@@ -11,7 +11,10 @@ compression time by online profiling." A :class:`Profile` holds, for one job,
   extra cost of each further segment — the controller selects a whole buffer in one pass, so a
   buffer of many small tensors does not pay a fixed cost per tensor — and the communication cost
   curve (one collective of the active communicator, seconds against message bytes),
-* the density and wire format needed to predict message sizes.
+* the density and wire format needed to predict message sizes,
+* the fixed work of one buffer on the training thread beyond its compression (ours, not in the
+  paper): starting its collective and decoding what comes back. A plan of more buffers pays it
+  more often; without it the simulator prices a plan of many buffers too cheap.
 
 It is the same on every rank (reduced across ranks before use) and round-trips through JSON, so a
 plan can be made, inspected and compared offline. The quantities of SAFusion Table 1 for a buffer
@@ -44,6 +47,9 @@ class Profile:
         dense_comm: the communicator sends whole buffers (message = dense bytes).
         workers: number of ranks of the job.
         segment_cost: extra compression seconds per additional segment of a buffer.
+        buffer_cost: seconds of fixed work per buffer on the training thread outside compression
+            (starting the collective, decoding its result), part of :meth:`t_cp`; the
+            :attr:`suffix` holds the decoding's share that grows with bytes, not this.
         dense_allreduce: Horovod's dense allreduce, seconds against the bytes of one buffer, for
             pricing the dense alternative (``None`` where it was not measured).
         communicators: per communicator the job may send over (``communicator="auto"``), by
@@ -65,6 +71,7 @@ class Profile:
     wire_bytes: dict[str, int]
     dense_comm: bool = False
     segment_cost: float = 0.0
+    buffer_cost: float = 0.0
     workers: int = 1
     dense_allreduce: CostCurve | None = None
     communicators: dict[str, CostCurve] = field(default_factory=dict)
@@ -108,11 +115,12 @@ class Profile:
         return self.communicate(self.message_bytes(names, order))
 
     def t_cp(self, names: Sequence[str], order: str = "ahead") -> float:
-        """T_cp: compression time of the buffer: one pass, plus a segment per tensor under ``ahead``."""
+        """T_cp: the buffer's fixed work (:attr:`buffer_cost`) plus its compression: one pass, plus
+        a segment per tensor under ``ahead`` (none at density 1)."""
         if self.density >= 1.0:
-            return 0.0
+            return self.buffer_cost
         extra = 0 if order == "behind" else len(names) - 1
-        return self.compress(self.dense_bytes(names)) + self.segment_cost * extra
+        return self.buffer_cost + (self.compress(self.dense_bytes(names)) + self.segment_cost * extra)
 
     def t_b(self, names: Sequence[str], previous_last: str | None) -> float:
         """T_b: back-propagation time producing this buffer's gradients, after the previous buffer."""
@@ -141,7 +149,8 @@ class Profile:
             raise ValueError("this profile has no dense allreduce cost curve (dense_allreduce=None)")
         return Profile(tensors=self.tensors, ready=self.ready, prefix=self.prefix, suffix=self.suffix,
                        compress=self.compress, communicate=self.dense_allreduce, density=1.0,
-                       wire_bytes=self.wire_bytes, dense_comm=True, segment_cost=0.0, workers=self.workers,
+                       wire_bytes=self.wire_bytes, dense_comm=True, segment_cost=0.0,
+                       buffer_cost=self.buffer_cost, workers=self.workers,
                        dense_allreduce=self.dense_allreduce, meta=dict(self.meta, dense=True))
 
     # ---- serialisation -------------------------------------------------------------------------
@@ -150,7 +159,7 @@ class Profile:
                 "ready": list(self.ready), "prefix": self.prefix, "suffix": self.suffix,
                 "compress": self.compress.to_dict(), "communicate": self.communicate.to_dict(),
                 "density": self.density, "wire_bytes": self.wire_bytes, "dense_comm": self.dense_comm,
-                "segment_cost": self.segment_cost, "workers": self.workers,
+                "segment_cost": self.segment_cost, "buffer_cost": self.buffer_cost, "workers": self.workers,
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
                 "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
                 "densities": [[d, c.to_dict(), seg] for d, (c, seg) in self.densities.items()],
@@ -162,7 +171,8 @@ class Profile:
                    prefix=d["prefix"], suffix=d["suffix"], compress=CostCurve.from_dict(d["compress"]),
                    communicate=CostCurve.from_dict(d["communicate"]), density=d["density"],
                    wire_bytes=dict(d["wire_bytes"]), dense_comm=d.get("dense_comm", False),
-                   segment_cost=d.get("segment_cost", 0.0), workers=d.get("workers", 1),
+                   segment_cost=d.get("segment_cost", 0.0), buffer_cost=d.get("buffer_cost", 0.0),
+                   workers=d.get("workers", 1),
                    dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
                    communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
                    densities={float(x): (CostCurve.from_dict(c), float(seg)) for x, c, seg in d.get("densities", [])},

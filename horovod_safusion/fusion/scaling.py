@@ -146,7 +146,8 @@ def scaled(profile: Profile, fits: dict[str, FittedCost], workers: int, rate_bit
     c = profile.compress
     return replace(profile, ready=[r / speedup for r in profile.ready], prefix=profile.prefix / speedup,
                    suffix=profile.suffix / speedup, compress=CostCurve(c.sizes, c.seconds / speedup),
-                   segment_cost=profile.segment_cost / speedup, communicate=sparse[first],
+                   segment_cost=profile.segment_cost / speedup, buffer_cost=profile.buffer_cost / speedup,
+                   communicate=sparse[first],
                    communicators=sparse if len(sparse) > 1 else {}, workers=workers,
                    dense_allreduce=fits["dense"].curve(workers, rate_bits) if "dense" in fits else None,
                    meta=dict(profile.meta, communicator=first, scaled={"workers": workers, "rate_bits": rate_bits,

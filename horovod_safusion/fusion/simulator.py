@@ -2,7 +2,9 @@
 
 The intra-worker pipeline of SAFusion §3.3 (Figures 9–11): back-propagation produces gradients;
 when a buffer's last gradient is in, its sparse tensor fusion (compression, ``T_cp``) runs on the
-same thread and delays the rest of back-propagation; its collective (``T_cm``) starts as soon as
+same thread and delays the rest of back-propagation (``T_cp`` here also holds the buffer's fixed
+work outside compression, :attr:`.Profile.buffer_cost`: starting its collective and decoding it,
+which every buffer of a plan pays on that thread); its collective (``T_cm``) starts as soon as
 both the buffer is fused and the link is free. For buffer ``i`` (in launch order)::
 
     fused_i      = ready_i + Σ_{j≤i} T_cp^j          (ready_i: pure back-propagation offset)

@@ -68,7 +68,8 @@ def random_profile(rng: random.Random, n: int) -> Profile:
     ready = np.cumsum([0.0] + [rng.uniform(0, 3) * MS for _ in range(n - 1)]).tolist()
     cp = (rng.choice([0.0, rng.uniform(0, 1) * MS]), rng.uniform(0, 2e-10))
     cm = (rng.choice([0.0, rng.uniform(0, 2) * MS]), rng.uniform(1e-10, 5e-9))
-    return synthetic_profile(sizes, ready, cp=cp, cm=cm, prefix=rng.uniform(0, 5) * MS, suffix=rng.uniform(0, 1) * MS)
+    return synthetic_profile(sizes, ready, cp=cp, cm=cm, prefix=rng.uniform(0, 5) * MS, suffix=rng.uniform(0, 1) * MS,
+                             buffer_cost=rng.choice([0.0, rng.uniform(0, 0.5) * MS]))
 
 
 # ---- Cupcake -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The generator: cost curves, profiles, the pipeline simulator and SAFusion's worked examples."""
+import dataclasses
 import json
 import math
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from horovod_safusion.fusion import (CostCurve, InterPlanner, NaivePlanner, Profile, SAFusionPlanner,
                                         TensorInfo, simulate)
 from horovod_safusion.plan import FusionPlan
+from horovod_safusion.profiling import fixed_cost
 from synthetic import synthetic_profile
 
 MS = 1e-3
@@ -31,13 +33,17 @@ def test_cost_curve_interpolates_extrapolates_and_is_monotone():
 
 
 def test_profile_json_round_trip(tmp_path):
-    p = synthetic_profile([400, 800], [1 * MS, 2 * MS], cp=(0.5 * MS, 0), cm=(1 * MS, 1e-6), segment_cost=1e-4)
+    p = synthetic_profile([400, 800], [1 * MS, 2 * MS], cp=(0.5 * MS, 0), cm=(1 * MS, 1e-6), segment_cost=1e-4,
+                          buffer_cost=3e-4)
     p.meta["note"] = "x"
     p.save(tmp_path / "p.json")
     q = Profile.load(tmp_path / "p.json")
     plan = FusionPlan([["t0", "t1"]])
     assert simulate(q, plan) == simulate(p, plan) and q.meta == {"note": "x"}
-    assert json.loads((tmp_path / "p.json").read_text())["segment_cost"] == 1e-4
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["segment_cost"] == 1e-4 and saved["buffer_cost"] == 3e-4
+    del saved["buffer_cost"]  # a profile saved before the field existed
+    assert Profile.from_dict(saved).buffer_cost == 0.0
 
 
 # ---- the simulator against a hand-computed schedule ---------------------------------------------
@@ -55,6 +61,36 @@ def test_simulator_matches_a_hand_computed_schedule():
     assert s.noct == pytest.approx(1.8 * MS)
     assert s.iteration == pytest.approx(10.9 * MS)
     assert "predicted iteration 10.90 ms" in s.table()
+
+
+def test_each_buffer_pays_its_fixed_work_on_the_training_thread():
+    # the hand-computed schedule above with 0.2 ms of fixed work per buffer: buffer 0 fused at
+    # 2.8, sent until 4.6; buffer 1 fused at 4 + 0.8 + 0.7 = 5.5, sent until 7.3; and dense alike
+    p = synthetic_profile([400, 400, 800], [1 * MS, 2 * MS, 4 * MS], cp=(0.5 * MS, 0), cm=(1 * MS, 1e-6),
+                          segment_cost=0.1 * MS, prefix=3 * MS, suffix=1 * MS, buffer_cost=0.2 * MS)
+    s = simulate(p, FusionPlan([["t0", "t1"], ["t2"]]))
+    assert [b.t_cp for b in s.buffers] == pytest.approx([0.8 * MS, 0.7 * MS])
+    assert [b.comm_end for b in s.buffers] == pytest.approx([4.6 * MS, 7.3 * MS])
+    assert s.iteration == pytest.approx(11.3 * MS)
+    p.dense_allreduce = p.communicate
+    dense = p.as_dense()
+    assert dense.buffer_cost == 0.2 * MS and dense.t_cp(["t0", "t1"]) == 0.2 * MS
+    # one buffer more costs its fixed work more, whichever the plan
+    one, three = FusionPlan([["t0", "t1", "t2"]]), FusionPlan([["t0"], ["t1"], ["t2"]])
+    free = dataclasses.replace(p, buffer_cost=0.0)
+    assert simulate(p, one).compute_end - simulate(free, one).compute_end == pytest.approx(0.2 * MS)
+    assert simulate(p, three).compute_end - simulate(free, three).compute_end == pytest.approx(0.6 * MS)
+
+
+def test_the_fixed_cost_is_the_intercept_of_the_measured_spans():
+    rng = np.random.default_rng(0)
+    nbytes = np.array([256, 512, 4096, 65536, 1 << 20, 4 << 20, 1024, 300], dtype=float)
+    seconds = 150e-6 + 2e-9 * nbytes
+    assert fixed_cost(nbytes, seconds) == pytest.approx(150e-6, rel=1e-6)
+    noisy = seconds * rng.uniform(0.95, 1.05, nbytes.size)
+    assert fixed_cost(nbytes, noisy) == pytest.approx(150e-6, rel=0.1)
+    assert fixed_cost(nbytes, 2e-9 * nbytes) == pytest.approx(0.0, abs=1e-9)  # no fixed part
+    assert fixed_cost([100, 100, 200], [1e-4, 1e-4, 2e-4]) == 0.0  # two sizes: not told apart
 
 
 # ---- SAFusion's worked examples ---------------------------------------------------------------------
@@ -116,7 +152,8 @@ def profiles(draw):
     ready = list(np.cumsum(gaps))
     cp = (draw(st.floats(0, 1e-3)), draw(st.floats(0, 1e-8)))
     cm = (draw(st.floats(0, 1e-3)), draw(st.floats(1e-11, 1e-7)))
-    return synthetic_profile([4 * s for s in sizes], ready, cp=cp, cm=cm, segment_cost=draw(st.floats(0, 1e-4)))
+    return synthetic_profile([4 * s for s in sizes], ready, cp=cp, cm=cm, segment_cost=draw(st.floats(0, 1e-4)),
+                             buffer_cost=draw(st.sampled_from([0.0, 2e-4])))
 
 
 @settings(deadline=None, max_examples=150)

@@ -42,6 +42,19 @@ def test_profiles_once_by_default_and_replans_every_r_steps(hvd, tmp_path):
     assert [s[0] for s in train(opt2, m2, 2)] == ["safusion"] * 2
 
 
+def test_the_profile_prices_the_fixed_work_of_a_buffer(hvd):
+    # every tensor sparse: the provisional plan has a buffer per tensor, of 16 sizes
+    torch.manual_seed(0)
+    m = DigitsCNN(width=8)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                   profile_steps=2, min_selected=0)
+    train(opt, m, 4)
+    p = opt.profile
+    assert p.meta["profiled_plan"] == "provisional"
+    assert p.buffer_cost > 0  # starting a collective and decoding it: Python's work per buffer
+    assert p.t_cp(p.names[:1]) > p.compress(p.dense_bytes(p.names[:1]))
+
+
 def test_generator_arguments_are_checked(hvd):
     m = DigitsCNN(width=8)
     for kwargs, message in [(dict(profile_steps=0), "profile_steps must be >= 1, got 0"),
