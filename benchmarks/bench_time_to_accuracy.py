@@ -1,30 +1,38 @@
 """Time to accuracy on emulated links: how much sooner a job reaches its quality with the plugin.
 
-    python benchmarks/bench_time_to_accuracy.py [--models digits lstm] [--links 200mbit 1gbit]
-        [--seeds 0 1 2] [--schemes ...] [--out out/bench_tta]          (as root)
-    make bench-tta                                                     (the same)
+    python benchmarks/bench_time_to_accuracy.py [--models digits lstm] [--hosts 2 4 8]
+        [--links 100mbit 1gbit] [--seeds 0] [--schemes ...] [--out out/bench_tta]   (as root)
+    make bench-tta                                                                (the same)
 
 Users buy time to a given accuracy, not seconds per iteration. Per model, link and seed every
 scheme trains the same model from the same initialisation on the same data order, as its own job
-with its own launcher, on a link emulated by ``tc`` in a network namespace (``benchmarks/links.py``,
-as ``bench_peers`` does), 2 workers (``--np``), or one worker on each of ``--hosts`` hosts of a
-cluster on one machine (``scripts/cluster.sh``, every host's link limited):
+with its own launcher, one worker on each host of a cluster on one machine (``scripts/cluster.sh``,
+every host's link limited by ``tc``; ``benchmarks/links.py``), at every count of ``--hosts`` and
+every rate of ``--links`` (a *cell*); ``--hosts 0`` runs ``--np`` workers on one host behind one
+limited link instead:
 
 * ``horovod``: ``hvd.DistributedOptimizer``, dense; ``horovod-fp16``: the same with
   ``Compression.fp16`` (horovodrun);
 * ``ddp-powersgd``: PyTorch DDP with its PowerSGD hook, rank 4, its default bucketing, dense for
-  the first 10 % of the steps (``start_powerSGD_iter``) (torchrun); ``ddp-powersgd-1bucket`` the
-  same in one bucket (``bucket_cap_mb`` above the model's size): with several buckets on Gloo the
-  hook's callbacks can start their allreduces in different orders on different ranks, and the
-  job aborts (``op.preamble.length <= op.nbytes``; the LSTM's default buckets did, every seed);
-* ours, ``horovod_safusion.DistributedOptimizer`` with its defaults (``dense="auto"``,
-  ``communicator="auto"``) and what the label gives (:mod:`schemes`' grammar, the same in every
-  benchmark): ``safusion@0.01`` (``density=0.01``), ``safusion@0.001+dgc`` (``density=0.001``
-  with DGC's techniques: momentum correction with masking, a warm-up over the first 10 % of the
-  steps, local clipping where the task clips), ``safusion@auto`` (``density="auto"``)
-  (horovodrun); on request (``--schemes``) any other label, e.g. ``safusion@0.01+warmup`` (DGC's
-  exponential warm-up alone, over the first 10 % of the steps), ``safusion@0.03`` or
-  ``safusion@0.1+densestart``. The driver prints what each label resolved to before the first job.
+  the first 10 % of the steps (``start_powerSGD_iter``) (torchrun). With several buckets on Gloo
+  the hook's callbacks can start their allreduces in different orders on different ranks, and the
+  job aborts (``op.preamble.length <= op.nbytes``) or hangs; where it does, the seed is run again
+  in one bucket (``bucket_cap_mb`` above the model's size), and the table says so
+  (``ddp-powersgd (1 bucket)``). A default-bucket job is taken for hung after 1.5 times the
+  longest job of its cell so far. ``ddp-powersgd-1bucket`` asks for one bucket from the start;
+* ours, ``horovod_safusion.DistributedOptimizer`` with its defaults (``safusion``) and with
+  ``density="auto"`` (``safusion@auto``) (horovodrun); on request (``--schemes``) any other label
+  of :mod:`schemes`' grammar, the same in every benchmark, e.g. ``safusion@0.001+dgc``
+  (``density=0.001`` with DGC's techniques: momentum correction with masking, a warm-up over the
+  first 10 % of the steps, local clipping where the task clips), ``safusion@0.01+warmup`` (DGC's
+  exponential warm-up alone), ``safusion@0.03`` or ``safusion@0.1+densestart``. The driver prints
+  what each label resolved to before the first job.
+
+**What fits an hour.** The default run — both models, 2, 4 and 8 hosts, 100 Mbit/s and 1 Gbit/s,
+five schemes — is 60 jobs a seed, so it runs one seed (``--seeds 0``): a cell's ratios are then
+one run's, with no spread across seeds, and a target that a scheme reaches only at its last
+evaluation is reached or missed by one run's noise. ``--seeds 0 1 2`` gives medians and ranges at
+three times the time.
 
 The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy) and
 the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
@@ -33,11 +41,11 @@ point (digits) or plus 3 % perplexity (LSTM). A scheme's time to the target is t
 seconds (evaluations excluded and reported apart, so that they are charged to no scheme) until
 its metric first reaches the target; a seed that never does counts as missing (``—``).
 
-Jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift of the
+Within a cell jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift of the
 machine's speed spreads over all schemes; ratios are taken per seed (the same seed's jobs ran
 next to each other) and their median and min–max are reported (``Horovod/it``: Horovod's time to
 the target over this scheme's; ``PowerSGD/it`` and ``PSGD-1b/it`` likewise). Curves of quality against *wall
-time* (training seconds; medians over seeds with their min–max band) go to
+time* (training seconds; medians over seeds with their min–max band), one panel per cell, go to
 ``--out``/tta_{model}.png, the table and every run to ``--out``/results.json. Needs root and
 iproute2 for a rate-limited link (``loopback`` runs without).
 """
@@ -57,8 +65,9 @@ sys.path.insert(0, HERE)
 from links import check_link, cluster, launchers, limited_link, run_job as run_launchers  # noqa: E402
 from schemes import PerTask, describe, parse, print_resolved  # noqa: E402
 
-SCHEMES = ("horovod", "horovod-fp16", "ddp-powersgd", "ddp-powersgd-1bucket", "safusion@0.01", "safusion@0.001+dgc",
-           "safusion@auto")  # the default run
+SCHEMES = ("horovod", "horovod-fp16", "ddp-powersgd", "safusion", "safusion@auto")  # the default run
+ONE_BUCKET = "ddp-powersgd-1bucket"  # where ddp-powersgd's default buckets fail
+HANG_FACTOR = 1.5  # a default-bucket PowerSGD job running this many times the cell's longest job so far hangs
 QUALITY = {"digits": 0.01, "lstm": 0.03}  # the targets: dense − 1 point, dense + 3 % perplexity
 JOB_TIMEOUT_S = 600  # the longest job (Horovod dense, LSTM at 200 Mbit/s) takes about 2 minutes; longer is a hang
 
@@ -140,7 +149,8 @@ def worker(args) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------------
-def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str], args) -> list[list[str]]:
+def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str], hosts: int, args
+             ) -> list[list[str]]:
     """The job's launcher commands (:func:`links.launchers`): torchrun for DDP, horovodrun for the
     rest, under ``prefix`` (a limited link's namespace) or on ``--hosts`` hosts of a cluster."""
     from bench_convergence import TRAINING_ARGS
@@ -148,12 +158,12 @@ def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str],
     worker_cmd = [os.path.abspath(__file__), "--worker", "--model", model, "--scheme", scheme, "--seed", str(seed),
                   "--result", result,
                   *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in TRAINING_ARGS), [])]
-    return launchers(worker_cmd, parse(scheme).torchrun, args.np, args.hosts, prefix)
+    return launchers(worker_cmd, parse(scheme).torchrun, args.np, hosts, prefix)
 
 
-def run_job(cmds: list[list[str]], result: str, log: str) -> dict:
+def run_job(cmds: list[list[str]], result: str, log: str, timeout: float = JOB_TIMEOUT_S) -> dict:
     """Run one job (its commands side by side); its result, or a record of why it failed."""
-    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1"), JOB_TIMEOUT_S, lambda: worker_pids(result))
+    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1"), timeout, lambda: worker_pids(result))
     for name in glob.glob(f"{glob.escape(result)}.pid*"):
         os.remove(name)
     if codes is not None and not any(codes) and os.path.exists(result):
@@ -206,7 +216,8 @@ def summarise(runs: dict, model: str, higher: bool) -> dict:
                "eval_s": float(np.median([r["eval_seconds"] for r in good.values()])) if good else None,
                "cpu_per_step": float(np.median([r["cpu_seconds"] / r["steps"] for r in good.values()]))
                if good and all("cpu_seconds" in r for r in good.values()) else None,
-               "chosen": [r.get("chosen") for r in good.values()]}
+               "chosen": [r.get("chosen") for r in good.values()],
+               "one_bucket": {s: r["one_bucket"] for s, r in good.items() if "one_bucket" in r}}
         for other in ("horovod", "ddp-powersgd", "ddp-powersgd-1bucket", "safusion@0.01", "safusion@0.001+dgc"):
             pairs = [tta[other][s] / tta[key][s] for s in good
                      if s in tta.get(other, {}) and tta[other][s] is not None and tta[key][s] is not None]
@@ -217,13 +228,13 @@ def summarise(runs: dict, model: str, higher: bool) -> dict:
     return {"dense_final": base, "target": target, "rows": rows}
 
 
-def print_table(model: str, link: str, s: dict, metric: str) -> None:
+def print_table(model: str, cell: str, s: dict, metric: str) -> None:
     if s["target"] is None:
-        print(f"\n{model} @ {link}: dense Horovod has no finished run, so no target")
+        print(f"\n{model}, {cell}: dense Horovod has no finished run, so no target")
         return
-    print(f"\n{model} @ {link}: {metric}; target {s['target']:.4g} (dense Horovod's median final "
+    print(f"\n{model}, {cell}: {metric}; target {s['target']:.4g} (dense Horovod's median final "
           f"{s['dense_final']:.4g} {'− 1 point' if QUALITY[model] == 0.01 and model == 'digits' else '+ 3 %'})")
-    print(f"{'scheme':<20} {'to target s [min–max]':>24} {'steps':>14} {'final [min–max]':>24} {'s/step':>7} "
+    print(f"{'scheme':<24} {'to target s [min–max]':>24} {'steps':>14} {'final [min–max]':>24} {'s/step':>7} "
           f"{'eval s':>7} {'CPU s/step':>10} {'Horovod/it':>11} {'PowerSGD/it':>12} {'PSGD-1b/it':>11}  chosen")
     for key, r in s["rows"].items():
         tt = "—" if r["to_target_s"] is None else \
@@ -237,35 +248,42 @@ def print_table(model: str, link: str, s: dict, metric: str) -> None:
         ch = "; ".join("dense" if c.get("dense") else f"{c.get('target_density'):g}/{c.get('communicator')}"
                        for c in r["chosen"] if c)
         cpu = "" if r["cpu_per_step"] is None else f"{r['cpu_per_step']:.3f}"
-        print(f"{key:<20} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} {cpu:>10} "
+        label = f"{key} (1 bucket)" if r.get("one_bucket") else key
+        print(f"{label:<24} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} {cpu:>10} "
               f"{vs[0]:>11} {vs[1]:>12} {vs[2]:>11}  {ch}")
         for seed, why in r["failed"].items():
             print(f"    seed {seed} failed: {why.strip().splitlines()[-1] if why.strip() else why}")
+        for seed, why in r.get("one_bucket", {}).items():
+            print(f"    seed {seed} ran in one bucket: its default buckets failed ({why})")
 
 
 def plot(results: dict, model: str, metric: str, higher: bool, path: str) -> None:
+    """One panel per cell: quality against training seconds, every scheme."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = list(results)
-    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4), squeeze=False)
-    for ax, link in zip(axes[0], links):
-        workers = next((r["workers"] for by_seed in results[link]["runs"].values() for r in by_seed.values()
-                        if "workers" in r), "?")
-        for key, by_seed in results[link]["runs"].items():
+    cells = list(results)
+    cols = min(2, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for ax, cell in zip(axes.flat, cells):
+        for key, by_seed in results[cell]["runs"].items():
             curves = [r["curve"] for r in by_seed.values() if "failed" not in r]
             if not curves:
                 continue
             n = min(len(c) for c in curves)
             t = np.median([[p["seconds"] for p in c[:n]] for c in curves], axis=0)
             m = np.array([[p["metric"] for p in c[:n]] for c in curves])
-            line, = ax.plot(t, np.median(m, axis=0), label=key, lw=2 if key == "safusion@auto" else 1)
+            label = f"{key} (1 bucket)" if any("one_bucket" in r for r in by_seed.values()) else key
+            line, = ax.plot(t, np.median(m, axis=0), label=label, lw=2 if key == "safusion" else 1)
             ax.fill_between(t, m.min(axis=0), m.max(axis=0), color=line.get_color(), alpha=0.15)
-        target = results[link]["summary"]["target"]
+        target = results[cell]["summary"]["target"]
         if target is not None:
             ax.axhline(target, color="k", ls=":", lw=1, label="target")
-        ax.set_title(f"{model} @ {link}, {workers} workers", fontsize=10)
+        ax.set_title(f"{model}, {cell}", fontsize=10)
         ax.set_xlabel("training seconds (evaluation excluded)")
         ax.set_ylabel(f"{metric} (median of seeds, min–max band)")
         if not higher:
@@ -274,6 +292,34 @@ def plot(results: dict, model: str, metric: str, higher: bool, path: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cell_name(hosts: int, link: str, args) -> str:
+    """A cell's name in tables, files and ``results.json``: ``"4 hosts, 100mbit"``."""
+    return f"{hosts} hosts, {link}" if hosts else f"{args.np} workers, {link}"
+
+
+def run_seed(scheme: str, model: str, seed: int, hosts: int, link: str, prefix: list[str], logs: str,
+             longest: float, args) -> dict:
+    """One scheme's job for one seed in one cell; ``ddp-powersgd`` whose default buckets fail (an
+    abort, or a hang: :data:`HANG_FACTOR` times ``longest``) runs again in one bucket, saying so."""
+    def job(label: str, timeout: float) -> dict:
+        where = f"{hosts}hosts" if hosts else f"{args.np}workers"
+        name = f"{model}_{where}_{link}_{seed}_{label}".replace("@", "_at_").replace("+", "_")
+        result, log = os.path.join(logs, name + ".json"), os.path.join(logs, name + ".log")
+        if os.path.exists(result):
+            os.remove(result)
+        return run_job(commands(label, model, seed, result, prefix, hosts, args), result, log, timeout)
+
+    if scheme != "ddp-powersgd":
+        return job(scheme, JOB_TIMEOUT_S)
+    run = job(scheme, min(JOB_TIMEOUT_S, HANG_FACTOR * longest) if longest else JOB_TIMEOUT_S)
+    if "failed" not in run:
+        return run
+    why = run["failed"].strip().splitlines()[-1] if run["failed"].strip() else run["failed"]
+    run = job(ONE_BUCKET, JOB_TIMEOUT_S)
+    run["one_bucket"] = why
+    return run
 
 
 def drive(args) -> None:
@@ -288,34 +334,36 @@ def drive(args) -> None:
     os.makedirs(logs, exist_ok=True)
     results: dict = {}
     t_start = time.time()
-    total = len(args.models) * len(args.links) * len(args.seeds) * len(args.schemes)
+    total = len(args.models) * len(args.hosts) * len(args.links) * len(args.seeds) * len(args.schemes)
     with tqdm(total=total, desc="jobs", dynamic_ncols=True) as bar:
         for model in args.models:
             results[model] = {}
-            for link in args.links:
-                runs: dict = {k: {} for k in args.schemes}
-                with (cluster(args.hosts, link) if args.hosts else limited_link(link)) as prefix:
-                    for i, seed in enumerate(args.seeds):
-                        order = args.schemes[i % len(args.schemes):] + args.schemes[:i % len(args.schemes)]
-                        for scheme in order:
-                            bar.set_postfix_str(f"{model} {link} seed {seed} {scheme}")
-                            name = f"{model}_{link}_{seed}_{scheme}".replace("@", "_at_").replace("+", "_")
-                            result, log = os.path.join(logs, name + ".json"), os.path.join(logs, name + ".log")
-                            if os.path.exists(result):
-                                os.remove(result)
-                            runs[scheme][seed] = run_job(commands(scheme, model, seed, result, prefix, args), result,
-                                                         log)
-                            bar.update()
-                task = TASKS[model]
-                summary = summarise(runs, model, task.higher_is_better)
-                results[model][link] = {"runs": runs, "summary": summary}
-                tqdm.write("")
-                print_table(model, link, summary, task.metric)
-                plot(results[model], model, task.metric, task.higher_is_better,
-                     os.path.join(args.out, f"tta_{model}.png"))
-                with open(os.path.join(args.out, "results.json"), "w") as f:
-                    json.dump({"args": vars(args), "minutes": (time.time() - t_start) / 60, "results": results}, f,
-                              indent=1)
+            for hosts in args.hosts:
+                for link in args.links:
+                    cell = cell_name(hosts, link, args)
+                    runs: dict = {k: {} for k in args.schemes}
+                    longest = 0.0
+                    with (cluster(hosts, link) if hosts else limited_link(link)) as prefix:
+                        for i, seed in enumerate(args.seeds):
+                            order = args.schemes[i % len(args.schemes):] + args.schemes[:i % len(args.schemes)]
+                            for scheme in order:
+                                bar.set_postfix_str(f"{model}, {cell}, seed {seed}, {scheme}")
+                                t0 = time.time()
+                                runs[scheme][seed] = run_seed(scheme, model, seed, hosts, link, prefix, logs,
+                                                              longest, args)
+                                if "failed" not in runs[scheme][seed]:
+                                    longest = max(longest, time.time() - t0)
+                                bar.update()
+                    task = TASKS[model]
+                    summary = summarise(runs, model, task.higher_is_better)
+                    results[model][cell] = {"runs": runs, "summary": summary}
+                    tqdm.write("")
+                    print_table(model, cell, summary, task.metric)
+                    plot(results[model], model, task.metric, task.higher_is_better,
+                         os.path.join(args.out, f"tta_{model}.png"))
+                    with open(os.path.join(args.out, "results.json"), "w") as f:
+                        json.dump({"args": vars(args), "minutes": (time.time() - t_start) / 60, "results": results},
+                                  f, indent=1)
     print(f"\n{(time.time() - t_start) / 60:.1f} minutes; wrote {args.out}/results.json and tta_*.png")
 
 
@@ -324,13 +372,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["digits", "lstm"], choices=["digits", "lstm"])
-    ap.add_argument("--links", nargs="+", default=["200mbit", "1gbit"])
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--links", nargs="+", default=["100mbit", "1gbit"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES))
-    ap.add_argument("--np", type=int, default=2, help="workers on one host")
-    ap.add_argument("--hosts", type=int, default=0,
-                    help="instead: this many hosts of a cluster on one machine (scripts/cluster.sh), one worker "
-                         "each, every host's link limited to --links")
+    ap.add_argument("--hosts", nargs="+", type=int, default=[2, 4, 8],
+                    help="hosts of a cluster on one machine (scripts/cluster.sh), one worker each, every host's "
+                         "link limited to --links; a cell per count (0: --np workers on this host instead)")
+    ap.add_argument("--np", type=int, default=2, help="workers on one host, with --hosts 0")
     add_training_args(ap)
     ap.add_argument("--out", default="out/bench_tta")
     # a worker's own arguments (the driver passes them)
