@@ -40,7 +40,8 @@ bench-scale: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_scale_out.py
 
-# time to accuracy of every scheme on emulated 200 Mbit/s and 1 Gbit/s links (root), about an hour
+# time to accuracy of every scheme at 2, 4 and 8 hosts of a cluster on one machine, 100 Mbit/s and 1 Gbit/s
+# per host (root), one seed: about an hour
 bench-tta: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_time_to_accuracy.py
 

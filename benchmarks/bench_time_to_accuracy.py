@@ -252,7 +252,7 @@ def print_table(model: str, cell: str, s: dict, metric: str) -> None:
         print(f"{label:<24} {tt:>24} {steps:>14} {fin:>24} {r['s_per_step'] or 0:>7.3f} {r['eval_s'] or 0:>7.1f} {cpu:>10} "
               f"{vs[0]:>11} {vs[1]:>12} {vs[2]:>11}  {ch}")
         for seed, why in r["failed"].items():
-            print(f"    seed {seed} failed: {why.strip().splitlines()[-1] if why.strip() else why}")
+            print(f"    seed {seed} failed: {reason(why)}")
         for seed, why in r.get("one_bucket", {}).items():
             print(f"    seed {seed} ran in one bucket: its default buckets failed ({why})")
 
@@ -313,13 +313,19 @@ def run_seed(scheme: str, model: str, seed: int, hosts: int, link: str, prefix: 
 
     if scheme != "ddp-powersgd":
         return job(scheme, JOB_TIMEOUT_S)
-    run = job(scheme, min(JOB_TIMEOUT_S, HANG_FACTOR * longest) if longest else JOB_TIMEOUT_S)
-    if "failed" not in run:
-        return run
-    why = run["failed"].strip().splitlines()[-1] if run["failed"].strip() else run["failed"]
+    failed = job(scheme, min(JOB_TIMEOUT_S, HANG_FACTOR * longest) if longest else JOB_TIMEOUT_S)
+    if "failed" not in failed:
+        return failed
     run = job(ONE_BUCKET, JOB_TIMEOUT_S)
-    run["one_bucket"] = why
+    run["one_bucket"] = reason(failed["failed"])
     return run
+
+
+def reason(log_tail: str) -> str:
+    """The line of a failed job's log that says why: a hang, an error, else the last line."""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip().strip("=-*").strip()]
+    said = [ln for ln in lines if "hang" in ln or "Error" in ln or "error" in ln or "abort" in ln.lower()]
+    return (said or lines or [log_tail])[-1]
 
 
 def drive(args) -> None:
