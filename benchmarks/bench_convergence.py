@@ -118,8 +118,7 @@ class Digits(Task):
         super().__init__(args, rank, size)
         self.x, self.y, self.x_te, self.y_te = load_digits_split()
         self.n_train, self.batch, self.epochs = len(self.x), 32, args.digits_epochs
-        # options of this script's main only (bench_time_to_accuracy's workers keep the defaults)
-        self.lr, self.width = getattr(args, "digits_lr", 0.05), getattr(args, "digits_width", 32)
+        self.lr, self.width = args.digits_lr, args.digits_width
 
     def model(self):
         return DigitsCNN(width=self.width)
@@ -631,12 +630,17 @@ def plot_lag(model: str, task_cls, runs: dict, path: str) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 #: The options of the training itself (the tasks' length, evaluation and warm-up), which
 #: ``bench_time_to_accuracy`` passes on to its workers.
-TRAINING_ARGS = ("digits_epochs", "lstm_epochs", "evals", "valid_tokens", "warmup_fraction")
+TRAINING_ARGS = ("digits_epochs", "digits_width", "digits_lr", "lstm_epochs", "evals", "valid_tokens",
+                 "warmup_fraction")
 
 
 def add_training_args(ap: argparse.ArgumentParser) -> None:
     """The options of :data:`TRAINING_ARGS`."""
     ap.add_argument("--digits-epochs", type=int, default=8)
+    ap.add_argument("--digits-width", type=int, default=32,
+                    help="digits: the CNN's width (32: 61 k weights; 64: 145 k, as examples/train_digits.py)")
+    ap.add_argument("--digits-lr", type=float, default=0.05, help="digits: the SGD's learning rate (not scaled "
+                    "by the worker count; examples/train_digits.py uses 0.02 × workers)")
     ap.add_argument("--lstm-epochs", type=int, default=2)
     ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
     ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
@@ -652,10 +656,6 @@ def main() -> None:
     ap.add_argument("--densities", nargs="+", type=float, default=list(DENSITIES))
     ap.add_argument("--schemes", nargs="+", help="only these keys (default: every scheme; see the docstring)")
     add_training_args(ap)
-    ap.add_argument("--digits-width", type=int, default=32,
-                    help="digits: the CNN's width (32: 61 k weights; examples/train_digits.py uses 64)")
-    ap.add_argument("--digits-lr", type=float, default=0.05, help="digits: the SGD's learning rate (not scaled "
-                    "by the worker count; examples/train_digits.py uses 0.02 × workers)")
     ap.add_argument("--min-selected", type=int, help="our schemes' min_selected (default: the optimizer's)")
     ap.add_argument("--steps", type=int, help="train only the first N steps (overrides the epochs)")
     ap.add_argument("--eval-every", type=int, help="evaluate every K steps (default: --evals per epoch)")
