@@ -338,7 +338,7 @@ class Controller:
         density = self.density_at(self.steps)
         rescale = self.loss_scale.begin(rescales=not (self.compressor.dense and self.momentum is None))
         self.mode = StepMode(dense=self.compressor.dense or self.plan.dense or density >= 1.0,
-                             density=density, rescale=rescale)
+                             density=density, rescale=rescale, step=self.steps)
 
     def reset_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers

@@ -56,7 +56,7 @@ class FusionPlan:
         planner: name of the planner that made the plan (informational; part of the digest).
         dense: send every element with Horovod's dense allreduce, one per buffer, instead of
             selecting: what ``fusion="safusion"`` does where a dense allreduce is the faster choice
-            (a fast link, or a model too small to profit). Residuals are sent along and emptied.
+            (a fast link, or a model too small to profit). Residuals are sent along, a chunk per step.
         dense_buffers: indices of buffers sent dense with Horovod's allreduce on every step while
             the others are sparsified: the small tensors (:func:`send_small_dense`).
         communicator: the registered communicator that sends the sparse buffers, where the plan

@@ -6,7 +6,8 @@ residual`` is written into the parameter's segment of the buffer's flat tensor, 
 the residual lives (in place, no copy). A non-finite gradient element does not join the residual
 (the residual keeps its value there) and is counted, for the step's flags. On a dense step, or
 for a buffer of small tensors, gradient plus any residual goes to where the reduced gradient goes
-(``p.grad``, or the buffer's packed flat), and the residual is sent along and kept no more.
+(``p.grad``, or the buffer's packed flat), and the residual is sent along: whole at density 1,
+a chunk per step after sparse steps (:func:`release`).
 
 A parameter without gradient on this rank (frozen, unused in this rank's forward, ``step()``
 without ``backward()``) sends zeros, so every rank submits the same collectives, and its
@@ -17,6 +18,8 @@ What a step's fill produces is the buffer's :class:`~horovod_safusion.stages.rec
 (:meth:`Filler.begin`), which the selection, the send and the collect stages take.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -109,13 +112,30 @@ class Filler:
         step.dropped_on_device = dropped if step.dropped_on_device is None else step.dropped_on_device + dropped
 
     def _fill_dense(self, buf: FusionBuffer, step: Filling, slot: int, g: torch.Tensor, mode: StepMode) -> None:
-        """The gradient as it is sent dense, with the residual of earlier sparse steps (sent along,
-        and kept no more) and the momentum: into ``p.grad`` itself (reduced in place), or, in a
-        buffer of small tensors, packed into the buffer's flat tensor."""
+        """The gradient as it is sent dense, with the residual of earlier sparse steps and the
+        momentum: into ``p.grad`` itself (reduced in place), or, in a buffer of small tensors,
+        packed into the buffer's flat tensor. The residual goes along whole at density 1 (a
+        warm-up's dense steps); after sparse steps at a density below 1 it goes along a chunk per
+        step (:func:`release`), as fast as those steps would have sent it."""
         dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else step.grads[slot]
-        r = self.residuals.pop(buf.names[slot])
+        name = buf.names[slot]
+        r = self.residuals.pop(name)
         if self.momentum is not None:
             g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
+        if r is not None and mode.density < 1.0:
+            if holds(r, buf.flat, buf.segment(slot)):  # a dense step gives the buffer's flat up
+                r = r.clone()
+            if dst is not g:
+                dst.copy_(g)
+            chunk = release(r.numel(), mode)
+            part = r[chunk] * mode.rescale if mode.rescale is not None else r[chunk]
+            dst[chunk] += part
+            r[chunk] = 0
+            if mode.rescale is not None:
+                r.mul_(mode.rescale)
+            if bool(r.any()):
+                self.residuals.bind(name, r)
+            return
         if buf.on_host and (r is not None or dst is not g):
             host.fill(dst, g, r, mode.scale, drop=False)
             return
@@ -176,3 +196,14 @@ class Filler:
             seg = buf.segment(slot)
             if not holds(self.residuals.peek(name), buf.flat, seg):
                 self.residuals.bind(name, buf.flat[seg])
+
+
+def release(numel: int, mode: StepMode) -> slice:
+    """The chunk of a residual that a dense step sends along after sparse steps at ``mode.density``:
+    chunk ``step mod K`` of ``K = ceil(1/density)`` equal runs, so that every element goes once in
+    ``K`` steps — the rate at which the sparse steps sent — and every rank sends the same chunk.
+    At once, a residual of many steps' unsent gradient (and, under momentum correction, momentum)
+    is one update many times a step's, which a model can fail to recover from."""
+    k = math.ceil(1.0 / mode.density)
+    c = mode.step % k
+    return slice(c * numel // k, (c + 1) * numel // k)

@@ -25,11 +25,13 @@ class StepMode:
         density: the fraction of each tensor a sparse selection sends (the warm-up's, else the
             compressor's).
         rescale: the ratio of this step's loss scale to the residuals' (``None``: none applies).
+        step: the step's number (the optimizer's count of steps, the same on every rank).
     """
 
     dense: bool
     density: float
     rescale: torch.Tensor | None = None
+    step: int = 0
 
     def sends_dense(self, buf: FusionBuffer) -> bool:
         """Whether ``buf`` goes dense in this step: a dense step, or a buffer of small tensors."""

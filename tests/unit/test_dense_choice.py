@@ -142,9 +142,11 @@ def test_a_decisive_choice_is_checked_by_measurement_and_tried_out_when_it_misse
         assert 1 in used and used[-1] == 1 and "measuring both" in capsys.readouterr().err
 
 
-def test_a_dense_step_sends_the_residuals_along_and_keeps_none(hvd):
-    """After sparse steps, a dense plan sends gradient + residual of every parameter (one worker:
-    the average is the sum) and empties the residuals, so the switch loses nothing."""
+def test_dense_steps_send_the_residuals_along_a_chunk_per_step_and_lose_nothing(hvd):
+    """After sparse steps at density 0.05, a dense plan sends each parameter's gradient plus one
+    twentieth of its residual per step (one worker: the average is the sum) and keeps the rest
+    bit for bit: ``sent == gradient + residual_before − residual_after``. After 20 dense steps
+    every element went once and no residual is left."""
     torch.manual_seed(0)
     m = DigitsCNN(width=4)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
@@ -155,18 +157,33 @@ def test_a_dense_step_sends_the_residuals_along_and_keeps_none(hvd):
         F.cross_entropy(m(x[32 * step:32 * step + 32]), y[32 * step:32 * step + 32]).backward()
         opt.step()
     names = dict(m.named_parameters())
-    before = {n: opt.residuals.get(n, p.detach().reshape(-1)).clone() for n, p in names.items()}
-    assert any(r.abs().sum() > 0 for r in before.values())
+
+    def residuals():
+        return {n: opt.residuals.get(n, p.detach().reshape(-1)).clone() for n, p in names.items()}
+
+    first = residuals()
+    assert any(r.abs().sum() > 0 for r in first.values())
     opt.set_plan(dataclasses.replace(opt.plan, dense=True))
-    opt.zero_grad()
-    local = {}  # the gradients back-propagation computes (a dense step adds the residual in place)
-    hooks = [p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().reshape(-1).clone()))
-             for n, p in names.items()]
-    F.cross_entropy(m(x[64:96]), y[64:96]).backward()
-    for h in hooks:
-        h.remove()
-    opt.step()
-    for n, p in names.items():
-        assert torch.equal(p.grad.reshape(-1), local[n] + before[n]), n
+    sent_once = {n: torch.zeros_like(r, dtype=torch.int32) for n, r in first.items()}
+    for step in range(20):
+        before = residuals()
+        opt.zero_grad()
+        local = {}  # the gradients back-propagation computes (a dense step adds the residual in place)
+        hooks = [p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().reshape(-1).clone()))
+                 for n, p in names.items()]
+        F.cross_entropy(m(x[32 * step:32 * step + 32]), y[32 * step:32 * step + 32]).backward()
+        for h in hooks:
+            h.remove()
+        opt.step()
+        after = residuals()
+        for n, p in names.items():
+            moved = before[n] != after[n]
+            sent_once[n] += moved.int()
+            assert torch.equal(p.grad.reshape(-1)[moved], local[n][moved] + before[n][moved]), n
+            assert torch.equal(p.grad.reshape(-1)[~moved], local[n][~moved]), n
+            assert torch.equal(after[n][moved], torch.zeros_like(after[n][moved])), n
+            assert int(moved.sum()) <= -(-first[n].numel() // 20), n  # at most one chunk of 20
+        assert opt.last_stats.density == 1.0
+    for n in names:
         assert opt.residuals.pop(n) is None, n
-    assert opt.last_stats.density == 1.0
+        assert int(sent_once[n].max()) <= 1 and bool((sent_once[n] == 1).eq(first[n] != 0).all()), n
