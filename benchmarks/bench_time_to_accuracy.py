@@ -30,26 +30,27 @@ limited link instead:
   what each label resolved to before the first job.
 
 **What fits an hour.** The default run — both models, 2, 4 and 8 hosts, 100 Mbit/s and 1 Gbit/s,
-five schemes — is 60 jobs a seed (and a failed PowerSGD job), so it runs one seed (``--seeds 0``): a cell's ratios are then
-one run's, with no spread across seeds, and a target that a scheme reaches only at its last
-evaluation is reached or missed by one run's noise. ``--seeds 0 1 2`` gives medians and ranges at
-three times the time.
+five schemes — is 60 jobs a seed (and a failed PowerSGD job), so it runs one seed (``--seeds 0``): a
+cell's ratios are then one run's, with no spread across seeds, and a target that a scheme reaches
+only at its last evaluation is reached or missed by one run's noise. ``--seeds 0 1 2`` gives medians
+and ranges at three times the time.
 
 The models and their data are ``bench_convergence``'s: the digits CNN (metric: test accuracy; here
-at width 64, 145 k weights, the demo's, which a 100 Mbit/s link holds back; ``--digits-width 32``
-is ``bench_convergence``'s 61 k) and the LSTM language model (metric: validation perplexity). **Targets, fixed before the runs:** the
-median final metric of dense Horovod over the seeds of the same model and link, less 1 accuracy
-point (digits) or plus 3 % perplexity (LSTM). A scheme's time to the target is the training
-seconds (evaluations excluded and reported apart, so that they are charged to no scheme) until
-its metric first reaches the target; a seed that never does counts as missing (``—``).
+at width 64, 145 k weights, the demo's, which a 100 Mbit/s link holds back; ``--digits-width 32`` is
+``bench_convergence``'s 61 k) and the LSTM language model (metric: validation perplexity).
+**Targets, fixed before the runs:** the median final metric of dense Horovod over the seeds of the
+same model and link, less 1 accuracy point (digits) or plus 3 % perplexity (LSTM). A scheme's time
+to the target is the training seconds (evaluations excluded and reported apart, so that they are
+charged to no scheme) until its metric first reaches the target; a seed that never does counts as
+missing (``—``).
 
-Within a cell jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift of the
-machine's speed spreads over all schemes; ratios are taken per seed (the same seed's jobs ran
-next to each other) and their median and min–max are reported (``Horovod/it``: Horovod's time to
-the target over this scheme's; ``PowerSGD/it`` and ``PSGD-1b/it`` likewise). Curves of quality against *wall
-time* (training seconds; medians over seeds with their min–max band), one panel per cell, go to
-``--out``/tta_{model}.png, the table and every run to ``--out``/results.json. Needs root and
-iproute2 for a rate-limited link (``loopback`` runs without).
+Within a cell jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift
+of the machine's speed spreads over all schemes; ratios are taken per seed (the same seed's jobs ran
+next to each other) and their median and min–max are reported (``Horovod/it``: Horovod's time to the
+target over this scheme's; ``PowerSGD/it`` and ``PSGD-1b/it`` likewise). Curves of quality against
+*wall time* (training seconds; medians over seeds with their min–max band), one panel per cell, go
+to ``--out``/tta_{model}.png, the table and every run to ``--out``/results.json. Needs root,
+iproute2 and openssh-server (the cluster); ``--hosts 0 --links loopback`` runs without.
 """
 from __future__ import annotations
 
