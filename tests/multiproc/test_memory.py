@@ -84,4 +84,5 @@ def test_nothing_grows_over_300_steps(records):
         rss = r["rss"]
         assert len(rss) == 30
         growth = float(np.median(rss[-5:]) - np.median(rss[:5]))
-        assert growth < 0.01 * r["model_bytes"], (growth, rss)
+        assert growth < 0.01 * r["model_bytes"], (growth, "dense" if r["dense"] else "sparse", r["settled_at"],
+                                                  [(x - rss[0]) // 1024 for x in rss])  # KiB from the first
