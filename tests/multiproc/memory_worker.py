@@ -10,9 +10,10 @@ after every step. The resident peak of each configuration (``VmHWM`` restarted w
 over the resident set then) is measured too, and that of ``hvd.DistributedOptimizer`` trained
 the same way: the difference is what the plugin adds at its peak, transients within a step
 included (the launcher sets a fixed ``MALLOC_MMAP_THRESHOLD_``, so that every large tensor is its
-own mapping and the resident set follows allocations and frees page by page). The default configuration then trains 300 more steps, and its resident memory
-(``VmRSS``, free heap memory handed back first) is sampled every 10 steps. Records go to
-``OUT/memory.rank{r}.json``.
+own mapping and the resident set follows allocations and frees page by page). The default
+configuration then trains 300 more steps: its resident memory (``VmRSS``, free heap memory handed
+back first) is sampled every 10 steps, the Python heap's growth is traced (``tracemalloc``), and
+what the plugin holds is walked again at the end. Records go to ``OUT/memory.rank{r}.json``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import traceback
+import tracemalloc
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +118,15 @@ def run_config(kwargs: dict, leak: bool) -> dict:
            "takes_momentum": opt.local_momentum is not None}  # u: DGC's correction or EF21-SGDM
     if leak:
         step = train(opt, model, 20, step)  # allocator and caches warm
-        samples = []
+        tracemalloc.start()
+        samples, python = [], []
         for _ in range(LEAK_STEPS // 10):
             step = train(opt, model, 10, step)
-            samples.append(memory.resident())
-        out["rss"] = samples
+            samples.append(memory.resident())  # collects garbage first
+            python.append(tracemalloc.get_traced_memory()[0])
+        tracemalloc.stop()
+        out["rss"], out["python"] = samples, python
+        out["held_end"] = memory.held(opt).bytes
     return out
 
 

@@ -6,9 +6,9 @@ switch to the profiled plan, and walks the optimizer's objects for the distinct 
 they hold (:func:`horovod_safusion.memory.held`). Error feedback needs one residual per gradient
 element; the plugin may hold that and a quarter more (index scratch, wire rows, the profile), plus
 one more where the plugin keeps the momentum ``u`` (momentum correction, on by default for this
-SGD with momentum; EF21-SGDM). The walk after every step bounds the
-peak too (the sweeps and the switch). Over 300 further steps the resident memory must not grow
-by 1 % of the model: nothing leaks. The resident peak of each configuration, against that of
+SGD with momentum; EF21-SGDM). The walk after every step bounds the peak too (the sweeps and the
+switch). Over 300 further steps nothing leaks: neither the Python heap, nor what the plugin holds,
+nor the resident set grows steadily. The resident peak of each configuration, against that of
 ``hvd.DistributedOptimizer`` trained the same way, bounds what the walk cannot see: transients
 within a step.
 """
@@ -76,13 +76,33 @@ def test_the_resident_peak_stays_within_twice_the_model_of_horovods(records, con
         assert over <= PEAK * model + extra + SMALL, (config, over / model, r)
 
 
+def windows(samples: list[int]) -> list[float]:
+    """Growth within each of three 100-step windows of 10 samples: the median of its last three
+    samples over that of its first three (70 steps apart)."""
+    return [float(np.median(samples[w + 7:w + 10]) - np.median(samples[w:w + 3])) for w in (0, 10, 20)]
+
+
 def test_nothing_grows_over_300_steps(records):
-    """Resident memory sampled every 10 steps (free heap memory handed back first): the median of
-    the last five samples exceeds that of the first five by less than 1 % of the model."""
+    """Over 300 steps of the default after the switch, nothing leaks. A leak grows in every window
+    of steps; a one-time allocation of the runtime (a thread's arena, a compiled kernel, an
+    allocator's high-water mark) shows in one. So, sampled every 10 steps:
+
+    - the Python heap (traced by ``tracemalloc``) grows by 1 % of the model in at most one of three
+      100-step windows (a leak of a kilobyte of objects per step grows by that in each);
+    - the resident set (free heap memory handed back first) grows by 2 % of the model in at most
+      one window. It creeps a little even under Horovod's own allgather, whose sizes vary from
+      step to step, and more while caches and the allocator warm up: the bound leaves room for
+      that, not for two kilobytes more with every step;
+    - what the plugin holds in its tensors at the end is still within the steady bound.
+    """
     for rec in records:
         r = rec["default"]
-        rss = r["rss"]
-        assert len(rss) == 30
-        growth = float(np.median(rss[-5:]) - np.median(rss[:5]))
-        assert growth < 0.01 * r["model_bytes"], (growth, "dense" if r["dense"] else "sparse", r["settled_at"],
-                                                  [(x - rss[0]) // 1024 for x in rss])  # KiB from the first
+        model, rss, python = r["model_bytes"], r["rss"], r["python"]
+        assert len(rss) == len(python) == 30
+        kind = "dense" if r["dense"] else "sparse"
+        grown = [g for g in windows(python) if g >= 0.01 * model]
+        assert len(grown) <= 1, ("python", windows(python), kind, [(x - python[0]) // 1024 for x in python])
+        grown = [g for g in windows(rss) if g >= 0.02 * model]
+        assert len(grown) <= 1, ("resident", windows(rss), kind, r["settled_at"],
+                                 [(x - rss[0]) // 1024 for x in rss])  # KiB from the first
+        assert r["held_end"] <= STEADY * model + MOMENTUM * model + SMALL, (r["held_end"], r["held"])
