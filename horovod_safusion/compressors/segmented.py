@@ -398,15 +398,35 @@ class IndexScratch:
     """Room for the selected indices of one buffer at a time, in two slots (a re-selection reads
     the previous selection from one while it writes the other). A slot starts at the size the
     caller expects (about ``2 Σ k``: a selection is corrected into a band around k) and the
-    kernels grow it when a selection runs past it, so the scratch is as long as the largest
-    selection seen, not as the buffer (which would be 8 bytes per gradient element, twice)."""
+    kernels grow it (doubling) when a selection runs past it, so the scratch is as long as the
+    selections need, not as the buffer (which would be 8 bytes per gradient element, twice).
+
+    What a selection grew stays only while selections need it: every :data:`WINDOW` reservations
+    (a buffer's selection each), a slot more than :data:`SLACK` times the most that was expected or
+    used in them (and a block of :func:`_compare`'s room) goes back to that size. So the first selections after a plan switch, which run
+    far past k before their thresholds settle, do not hold their size for the rest of training,
+    and the doubling's spare half is not shrunk and regrown back and forth."""
+
+    WINDOW = 64
+    SLACK = 2
 
     def __init__(self) -> None:
         self._slots: list[np.ndarray] = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
         self.candidates = np.empty(0, dtype=np.int64)  # :meth:`NumbaKernels.select_top`'s bin
+        self._reserved = 0  # reservations in this window
+        self._needed = 0  # the most expected or used in this window
 
     def reserve(self, expected: int) -> None:
-        """Make both slots at least ``expected`` long (what the next selections should need)."""
+        """Make both slots at least ``expected`` long (what the next selections should need), and
+        at the end of a window give back what the window did not need."""
+        self._needed = max(self._needed, expected)
+        self._reserved += 1
+        if self._reserved >= self.WINDOW:
+            needed = self._needed + COMPARE_BLOCK  # the kernels grow a slot a block ahead
+            for slot in (0, 1):
+                if self._slots[slot].size > self.SLACK * needed:
+                    self._slots[slot] = np.empty(needed, dtype=np.int64)
+            self._reserved = self._needed = 0
         for slot in (0, 1):
             if self._slots[slot].size < expected:
                 self._slots[slot] = np.empty(expected, dtype=np.int64)
@@ -417,9 +437,11 @@ class IndexScratch:
             self._slots[slot] = np.empty(expected, dtype=np.int64)
         return self._slots[slot]
 
-    def keep(self, slot: int, grown: np.ndarray) -> None:
-        """Keep what a kernel returned for slot ``slot`` (itself, or a grown copy)."""
+    def keep(self, slot: int, grown: np.ndarray, used: int) -> None:
+        """Keep what a kernel returned for slot ``slot`` (itself, or a grown copy) after it wrote
+        ``used`` indices."""
         self._slots[slot] = grown
+        self._needed = max(self._needed, used)
 
     @property
     def nbytes(self) -> int:
@@ -461,7 +483,7 @@ class NumbaKernels:
         and the count per segment."""
         counts = np.empty(len(self.offsets), dtype=np.int64)
         out, n = _select(x, self.offsets, self.sizes, thr, scratch.get(slot), counts)
-        scratch.keep(slot, out)
+        scratch.keep(slot, out, n)
         return out[:n], counts
 
     def select_top(self, x: np.ndarray, ks: np.ndarray, scratch: IndexScratch) -> np.ndarray:
@@ -486,7 +508,7 @@ class NumbaKernels:
         chosen = thr.copy()
         out, n = _select_within(x, self.offsets, self.sizes, thr, band.k, band.low, band.high, band.lower,
                                 band.scale, scratch.get(slot), counts, chosen)
-        scratch.keep(slot, out)
+        scratch.keep(slot, out, n)
         return out[:n], counts, chosen
 
     def select_stepped(self, x: np.ndarray, start: np.ndarray, steps: Steps, top: np.ndarray,
@@ -498,7 +520,7 @@ class NumbaKernels:
         chosen = top.copy()
         out, n = _select_stepped(x, self.offsets, self.sizes, start, top, steps.low, steps.high, steps.up,
                                  steps.down, steps.passes, scratch.get(slot), counts, chosen)
-        scratch.keep(slot, out)
+        scratch.keep(slot, out, n)
         return out[:n], counts, chosen
 
     def reselect(self, x: np.ndarray, idx: np.ndarray, counts: np.ndarray, mode: np.ndarray, thr: np.ndarray,
@@ -509,7 +531,7 @@ class NumbaKernels:
         new_counts = np.empty_like(counts)
         out, n = _reselect(x, self.offsets, self.sizes, idx, counts, mode, thr, scratch.get(slot, idx.size),
                            new_counts)
-        scratch.keep(slot, out)
+        scratch.keep(slot, out, n)
         return out[:n], new_counts
 
     @staticmethod

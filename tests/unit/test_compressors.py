@@ -569,3 +569,31 @@ def test_dgc_samples_a_segment_alike_whatever_is_sampled_with_it():
     assert tenths.min() > 0.9 * 2000 and tenths.max() < 1.1 * 2000, tenths.tolist()
     assert not np.array_equal(alone, sample_positions(0, 6, keys[2:], efforts[2:], offsets[2:], sizes[2:], counts[2:]))
     assert not np.array_equal(alone, sample_positions(0, 5, keys[2:], efforts[2:] + 1, offsets[2:], sizes[2:], counts[2:]))
+
+
+def test_the_index_scratch_gives_back_what_a_window_of_selections_did_not_need():
+    """A selection far past k (as the first ones after a plan switch are) grows the scratch; a
+    window of selections near k gives that back. A selection that needs the doubling's spare
+    half keeps it, window after window, rather than shrinking and regrowing it."""
+    from horovod_safusion.compressors.segmented import COMPARE_BLOCK, IndexScratch, NumbaKernels
+    x = np.linspace(-1, 1, 100_000).astype(np.float32)
+    kernels, scratch = NumbaKernels(np.array([0]), np.array([x.size])), IndexScratch()
+    expected = 2 * 1000 + 1  # 2 Σ k + segments, as a view reserves for k = 1000
+
+    def select(threshold: float, slot: int) -> np.ndarray:
+        scratch.reserve(expected)
+        idx, counts = kernels.select(x, np.array([threshold]), scratch, slot)
+        np.testing.assert_array_equal(idx, np.flatnonzero(np.abs(x) >= threshold))
+        assert counts.tolist() == [idx.size]
+        return idx
+
+    big = select(0.5, 1)  # half the buffer
+    assert scratch.nbytes >= 8 * big.size
+    for _ in range(2 * IndexScratch.WINDOW):  # the big one's window, then one without it
+        near_k = select(0.99, 1)
+    room = max(expected, near_k.size) + COMPARE_BLOCK  # what a window of these needs
+    assert scratch.nbytes <= 2 * 8 * IndexScratch.SLACK * room < 8 * big.size // 2
+
+    grown = [select(0.97, 0) for _ in range(3 * IndexScratch.WINDOW)]  # about 1.5 × expected each
+    assert grown[0].size > expected
+    assert len({id(idx.base) for idx in grown}) == 1  # grown once by the first, then kept as it is
