@@ -7,9 +7,10 @@ P, and asked about 16–64 workers on fast links.
 ``bench_scale`` keeps the profile each of our jobs planned from (rank 0's, in its warm record).
 Per model, at the link ``--link``:
 
-1. **Calibration** (:mod:`horovod_safusion.fusion.scaling`): each protocol's sweeps (allgather,
-   SparDL, ZEN from the default job's ``communicator="auto"`` profile; the dense allreduce) at
-   every measured P are fitted by one cost model in P.
+1. **Calibration** (:mod:`horovod_safusion.fusion.scaling`): each protocol's sweeps (the
+   allgather and ZEN from the default job's ``communicator="auto"`` profile, SparDL's from the job
+   that names it, which ``"auto"`` does not price; the dense allreduce) at every measured P are
+   fitted by one cost model in P.
 2. **Check at the largest P** against the iteration times ``bench_scale`` measured, for each of
    our schemes (the default, each communicator, forced dense), two ways: the job's own prediction
    (its profile at that P, the plan it ran), and the model fitted on the *smaller* P only,
@@ -18,7 +19,8 @@ Per model, at the link ``--link``:
    cores: its compute is closest to a worker of its own), computation ``--speedup`` times faster
    (the GPU assumption: say which), communication from the model fitted on every P, the link's
    seconds per byte swapped for the new rate's. Per cell: the predicted iteration of the
-   safusion plan over each communicator and dense, which one ``communicator="auto"`` would plan,
+   safusion plan over each communicator and dense, which one ``communicator="auto"`` would plan
+   (among the allgather, ZEN and dense),
    and SAFusion's Figure 14 comparison: safusion, cupcake, omgs, oktopk and wfbp, all over the
    allgather (SAFusion's own synchronisation), with safusion's distance to the best of the others
    (negative: safusion ahead).
@@ -39,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from horovod_safusion.fusion import (CupcakePlanner, OkTopkPlanner, OMGSPlanner, Profile,  # noqa: E402
                                      SAFusionPlanner, WFBPPlanner, simulate)
-from horovod_safusion.fusion.scaling import fit_profiles, scaled  # noqa: E402
+from horovod_safusion.communicators.base import AUTO_SPARSE  # noqa: E402
+from horovod_safusion.fusion.scaling import curves_of, fit_profiles, scaled  # noqa: E402
 from schemes import parse  # noqa: E402
 
 FIGURE_14 = {"safusion": SAFusionPlanner(dense=False), "cupcake": CupcakePlanner(max_states=20_000),
@@ -70,6 +73,22 @@ def profiles_by_p(raw: dict, model: str, link: str, key: str) -> dict[int, Profi
     return dict(sorted(found.items()))
 
 
+def with_named_sweeps(raw: dict, model: str, link: str, profiles: dict[int, Profile]) -> dict[int, Profile]:
+    """``profiles`` (the default job's, by P) with the sweep of each protocol the default does not
+    price — SparDL, which ``communicator="auto"`` does not hold — taken from the job that names it,
+    at the same P."""
+    keys = sorted({k for by_model in raw.values() for k in by_model.get(model, {}).get("jobs", {})})
+    named = {parse(k).options.get("communicator"): profiles_by_p(raw, model, link, k) for k in keys}
+    out = {}
+    for p, profile in profiles.items():
+        curves = {k: c for k, c in curves_of(profile).items() if k != "dense"}
+        for name, by_p in named.items():
+            if name is not None and name not in curves and p in by_p and name in curves_of(by_p[p]):
+                curves[name] = curves_of(by_p[p])[name]
+        out[p] = dataclasses.replace(profile, communicators=curves)
+    return out
+
+
 def predicted(profile: Profile, communicator: str | None, dense: bool) -> float:
     """The iteration the safusion planner's plan gets under ``profile``: dense, or sparse over
     ``communicator`` (``None``: the one the profile uses)."""
@@ -87,7 +106,7 @@ def check(raw: dict, summary: dict, model: str, link: str) -> list[dict]:
     """Per scheme at the largest P: measured, the job's own prediction, and the prediction of the
     model fitted on the smaller P."""
     rows = []
-    default = profiles_by_p(raw, model, link, "safusion")
+    default = with_named_sweeps(raw, model, link, profiles_by_p(raw, model, link, "safusion"))
     if len(default) < 3:
         return rows
     largest = max(default)
@@ -118,7 +137,10 @@ def outlook(profile: Profile, fits: dict, workers: list[int], rates: list[float]
         options = {name: predicted(at, name, False) for name in OPTIONS[:-1] if name in at.communicators}
         if at.dense_allreduce is not None:
             options["dense"] = predicted(at, None, True)
-        chosen = SAFusionPlanner().plan(at.tensors, at)
+        held = {name: c for name, c in at.communicators.items() if name in AUTO_SPARSE}
+        auto = at if not held else dataclasses.replace(at.over(next(iter(held))),
+                                                      communicators=held if len(held) > 1 else {})
+        chosen = SAFusionPlanner().plan(auto.tensors, auto)
         allgather = dataclasses.replace(at.over("allgather"), communicators={}, dense_allreduce=None)
         figure = {name: simulate(allgather, planner.plan(allgather.tensors, allgather)).iteration
                   for name, planner in FIGURE_14.items()}
@@ -188,7 +210,7 @@ def main() -> None:
     report: dict = {"link": args.link, "speedup": args.speedup, "models": {}}
     outlooks = {}
     for model in summary:
-        default = profiles_by_p(raw, model, args.link, "safusion")
+        default = with_named_sweeps(raw, model, args.link, profiles_by_p(raw, model, args.link, "safusion"))
         if len(default) < 2:
             print(f"{model}: fewer than two worker counts with a profile at {args.link}; skipped")
             continue

@@ -51,6 +51,7 @@ import torch
 from . import checkpoint
 from .buffer import FusionBuffer, gather, link
 from .communicators import Communicator, Reduction
+from .communicators.base import AUTO_SPARSE
 from .compressors import Compressor
 from .density import AUTO
 from .momentum import LocalClipping, MomentumCorrection
@@ -159,8 +160,9 @@ class Controller:
         if name is None or name == self.communicator.name:
             return
         if name not in self.communicators:
+            also = " or 'auto'" if name in AUTO_SPARSE else ""
             raise ValueError(f"the fusion plan sends over communicator {name!r}, which this optimizer does not "
-                             f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r} or 'auto')")
+                             f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r}{also})")
         self.communicator = self.sender.communicator = self.communicators[name]
 
     @property

@@ -46,10 +46,11 @@ class Options:
         instance. Cannot be combined with Horovod's ``groups``.""")
     communicator: Any = _option("auto", """
         ``"auto"`` (the default: dense allreduce for ``compressor="none"``; otherwise sparse
-        allgather at first, and with ``fusion="safusion"`` the fastest of allgather, SparDL and ZEN
-        at this job's worker count (the allgather alone with two workers), priced from the
-        profile's sweeps and tried for a few steps when close; rank 0 says on standard error what
-        it chose), a registered name, or a ``Communicator`` instance.""")
+        allgather at first, and with ``fusion="safusion"`` the faster of allgather and ZEN at this
+        job's worker count (the allgather alone with two workers), priced from the profile's sweeps
+        and tried for a few steps when close; rank 0 says on standard error what it chose), a
+        registered name, or a ``Communicator`` instance. SparDL applies fewer elements per step
+        than those two (the top k/P of each merged block), so it runs only when named.""")
     profile_steps: int = _option(10, """
         iterations measured before planning (after one warm-up iteration), for planners that need a
         profile. They train as usual, communication overlapped; after the last one, short sweeps

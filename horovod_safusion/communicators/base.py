@@ -287,18 +287,26 @@ available_communicators = COMMUNICATORS.names   # names accepted by ``communicat
 
 #: What ``communicator="auto"`` holds for a sparse compressor, the first in use from the start
 #: (SAFusion §3.1 Step-2's sparse allgather): the communicators that deliver the compressor's own
-#: selection. ``fusion="safusion"`` prices each that can win at the job's P (:func:`contenders`)
-#: from the profile's sweeps and plans the fastest
-#: (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). ExDyna's communicator is
-#: not among them: it sends another selection (exclusive partitions, thresholds scaled by the
-#: job's count), so it is asked for by name, with ``compressor="exdyna"``.
-AUTO_SPARSE = ("allgather", "spardl", "zen")
+#: selection, every rank's, summed — the same update, so the choice between them is one of time
+#: alone. ``fusion="safusion"`` prices each that can win at the job's P (:func:`contenders`) from
+#: the profile's sweeps and plans the fastest
+#: (:attr:`~horovod_safusion.plan.FusionPlan.communicator`). Two seeds are asked for by name
+#: instead, because they apply another update, which a step time does not price:
+#:
+#: * SparDL's Spar-Reduce-Scatter keeps the top k/P of every merged block (SparDL §3.1, Alg. 1),
+#:   so a step applies k elements of the sum where the allgather and ZEN apply the union of the
+#:   ranks' selections, up to P·k; the rest waits in residuals, and the job learns slower per
+#:   step as P grows (docs/benchmarks.md, "SparDL's update");
+#: * ExDyna's communicator sends another selection (exclusive partitions, thresholds scaled by the
+#:   job's count), with ``compressor="exdyna"``.
+AUTO_SPARSE = ("allgather", "zen")
 
 
 def contenders(communicators: Mapping[str, Communicator], workers: int, active: str) -> dict[str, Communicator]:
     """Which of ``communicators`` (those ``communicator="auto"`` holds) are worth pricing at
     ``workers`` ranks: all of them, except that with two workers the allgather is priced without
-    SparDL and ZEN (``active``, the one in use, is always priced: the profile prices its plan).
+    SparDL and ZEN where they are held (``active``, the one in use, is always priced: the profile
+    prices its plan).
 
     With two workers the allgather receives the other rank's selection, k elements, in one
     collective. SparDL (§3.1, Eq. 3: 2⌈log2 P⌉ rounds, 2(P − 1)/P selections received) receives as

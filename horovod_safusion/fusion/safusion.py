@@ -35,12 +35,12 @@ be slower than what the user had. ``plan.meta`` holds both predictions and the o
 close, and keeps whichever was measured faster.
 
 **Communicator choice** (ours, ``communicator="auto"``): where the profile prices several
-communicators (:attr:`Profile.communicators`: allgather, SparDL, ZEN where they can win, each
+communicators (:attr:`Profile.communicators`: the allgather, and ZEN where it can win, each
 swept at the job's worker count), the sparse plan is made and simulated over each, and the
 fastest competes with the dense plan; the plan names its communicator
 (:attr:`FusionPlan.communicator`) and the runner-up is the second fastest of all. Which
-protocol wins depends on P: allgather's receive volume grows as (P − 1)·k, SparDL's (SparDL §3)
-and ZEN's (ZEN §3.2) stay near 2k, for more rounds.
+protocol wins depends on P: allgather's receive volume grows as (P − 1)·k, ZEN's (ZEN §3.2)
+stays near 2k, for more rounds.
 ``plan.meta["predicted_options_s"]`` holds every option's prediction.
 
 **Density choice** (ours, ``density="auto"``; :mod:`~horovod_safusion.density`): where the

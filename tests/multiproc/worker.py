@@ -108,7 +108,7 @@ def scenario_dense_choice():
                    "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
     # every communicator "auto" may choose, switched to between steps on every rank alike
     switched = []
-    for step, name in enumerate(("spardl", "zen", "allgather")):
+    for step, name in enumerate(("zen", "allgather")):
         opt.set_plan(dataclasses.replace(opt.plan, dense=False, communicator=name))
         x, y = batch(100 + step)
         opt.zero_grad()

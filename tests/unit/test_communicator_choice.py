@@ -31,11 +31,11 @@ def priced(dense_per_byte=None, **per_byte) -> Profile:
                                communicators=curves, dense_allreduce=dense)
 
 
-def test_with_two_workers_the_allgather_is_priced_without_spardl_and_zen():
+def test_with_two_workers_the_allgather_is_priced_without_zen():
     held = {name: object() for name in AUTO_SPARSE}
     assert list(contenders(held, 2, "allgather")) == ["allgather"]
     # the one in use is priced whatever the count (a job shrunk to two keeps its plan priced)
-    assert list(contenders(held, 2, "spardl")) == ["allgather", "spardl"]
+    assert list(contenders(held, 2, "zen")) == ["allgather", "zen"]
     for workers in (1, 3, 4, 5, 8):
         assert list(contenders(held, workers, "allgather")) == list(AUTO_SPARSE)
     # without the allgather there is nothing to prefer: every one is priced
@@ -107,8 +107,8 @@ def test_the_optimizer_sends_over_the_plans_communicator_and_a_checkpoint_keeps_
     opt = make(m)
     assert opt.communicator.name == "allgather"  # "auto" starts on SAFusion's allgather
     train(m, opt, 4)
-    opt.set_plan(dataclasses.replace(opt.plan, communicator="spardl"))
-    assert opt.communicator.name == "spardl"
+    opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
+    assert opt.communicator.name == "zen"
     train(m, opt, 2, first=4)
     ckpt = through_file({"model": m.state_dict(), "optimizer": opt.state_dict()})
     train(m, opt, 3, first=6)
@@ -119,7 +119,7 @@ def test_the_optimizer_sends_over_the_plans_communicator_and_a_checkpoint_keeps_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt2.load_state_dict(ckpt["optimizer"])
-    assert opt2.communicator.name == "spardl" and opt2.plan == opt.plan
+    assert opt2.communicator.name == "zen" and opt2.plan == opt.plan
     train(m2, opt2, 3, first=6)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
@@ -131,6 +131,17 @@ def test_a_plan_naming_a_communicator_the_job_does_not_hold_is_a_clear_error(hvd
                                          r"\['allgather'\] \(pass communicator='zen' or 'auto'\)"):
         opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
     assert opt.communicator.name == "allgather"
+
+
+def test_auto_does_not_hold_spardl_whose_step_applies_fewer_elements(hvd):
+    """SparDL applies the top k/P of each merged block, not every rank's selection: ``"auto"``
+    does not choose it by step time, so a plan naming it asks for it by name."""
+    m = model()
+    opt = make(m)  # communicator="auto"
+    assert "spardl" not in AUTO_SPARSE
+    with pytest.raises(ValueError, match=r"communicator 'spardl', which this optimizer does not hold; it holds "
+                                         r"\['allgather', 'zen'\] \(pass communicator='spardl'\)$"):
+        opt.set_plan(dataclasses.replace(opt.plan, communicator="spardl"))
 
 
 def test_a_checkpoint_naming_a_communicator_this_optimizer_does_not_hold_keeps_the_one_asked_for(hvd):
