@@ -403,9 +403,10 @@ class IndexScratch:
 
     What a selection grew stays only while selections need it: every :data:`WINDOW` reservations
     (a buffer's selection each), a slot more than :data:`SLACK` times the most that was expected or
-    used in them (and a block of :func:`_compare`'s room) goes back to that size. So the first selections after a plan switch, which run
-    far past k before their thresholds settle, do not hold their size for the rest of training,
-    and the doubling's spare half is not shrunk and regrown back and forth."""
+    used in them (and a block of :func:`_compare`'s room) goes back to that size. So the first
+    selections after a plan switch, which run far past k before their thresholds settle, do not
+    hold their size for the rest of training, and the doubling's spare half is not shrunk and
+    regrown back and forth."""
 
     WINDOW = 64
     SLACK = 2
