@@ -19,6 +19,7 @@ import importlib
 import sys
 
 from . import doctor
+from .density import DEFAULT as DEFAULT_DENSITY
 
 
 def _first_line(obj) -> str:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=10, help="profiled iterations for --model")
     p.add_argument("--compressor", default="dgc")
-    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--density", type=float, default=DEFAULT_DENSITY)
     p.add_argument("--latency", type=float, help="seconds per collective (α), with --bandwidth")
     p.add_argument("--bandwidth", type=float, help="bits per second (β = 1/bandwidth), with --latency")
     p.add_argument("--capacity-bytes", type=int, default=DEFAULT_CAPACITY_BYTES, help="for safusion-naive")

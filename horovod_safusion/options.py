@@ -34,7 +34,7 @@ class Options:
         ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance; default
         ``"dgc"``, or ``"none"`` for the dense scheme ``fusion="horovod"``.""")
     density: Any = _option(None, """
-        fraction of each tensor's elements sent per step, ``0 < density <= 1`` (default 0.01).
+        fraction of each tensor's elements sent per step, ``0 < density <= 1`` (default 0.03).
         Lower saves traffic; too low slows convergence. ``"auto"`` (with ``fusion="safusion"``): the
         densest of 0.03, 0.1 and dense whose iteration time, predicted from the profile and
         confirmed by a measured trial, is within 20 % of the fastest — the most the link hides

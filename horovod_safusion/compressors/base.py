@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..checkpoint import Stateful
+from ..density import DEFAULT as DEFAULT_DENSITY
 from ..registry import Registry
 from ..segment import Segments
 
@@ -53,7 +54,7 @@ class Compressor(Stateful, ABC):
     dense: ClassVar[bool] = False
     auto_momentum_correction: ClassVar[bool] = True
 
-    def __init__(self, density: float = 0.01) -> None:
+    def __init__(self, density: float = DEFAULT_DENSITY) -> None:
         self.density = check_density(density)
 
     def density_of_step(self, density: float | None) -> float:
@@ -103,7 +104,7 @@ available_compressors = COMPRESSORS.names   # names accepted by ``compressor=``
 def make_compressor(spec: "str | Compressor", density: float | None) -> Compressor:
     """Resolve ``compressor=`` (a registered name or an instance) and ``density=``.
 
-    ``density=None`` means the compressor's own default (0.01 for sparsifiers) for names and the
+    ``density=None`` means the compressor's own default (:data:`DEFAULT_DENSITY` for sparsifiers) for names and the
     instance's own density for instances;
     an explicit density that contradicts an instance's is an error rather than a silent choice.
     """

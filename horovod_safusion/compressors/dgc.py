@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels import constant
-from .base import register_compressor
+from .base import DEFAULT_DENSITY, register_compressor
 from .threshold import PeriodicThreshold, View
 
 
@@ -103,7 +103,7 @@ class DGC(PeriodicThreshold):
             correctness).
     """
 
-    def __init__(self, density: float = 0.01, sample_rate: float = 0.01, min_samples: int = 1024,
+    def __init__(self, density: float = DEFAULT_DENSITY, sample_rate: float = 0.01, min_samples: int = 1024,
                  interval: int = 10, drift: float = 2.0, refine_passes: int = 3, seed: int = 0) -> None:
         super().__init__(density, interval, drift, refine_passes)
         if not 0.0 < sample_rate <= 1.0:

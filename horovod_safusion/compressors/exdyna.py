@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..segment import Segments
-from .base import register_compressor
+from .base import DEFAULT_DENSITY, register_compressor
 from .device import Proposal
 from .state import PerSegment
 from .threshold import ThresholdCompressor, View
@@ -64,7 +64,7 @@ class ExDyna(ThresholdCompressor):
     #: momentum carries on (docs/benchmarks.md, "The early lag").
     auto_momentum_correction = False
 
-    def __init__(self, density: float = 0.01, beta: float = 1.1, gamma: float = 0.01,
+    def __init__(self, density: float = DEFAULT_DENSITY, beta: float = 1.1, gamma: float = 0.01,
                  relative: bool = True) -> None:
         super().__init__(density)
         if beta <= 1.0:

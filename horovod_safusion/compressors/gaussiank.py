@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from scipy.special import ndtri  # Φ⁻¹ as a bare ufunc, without norm.ppf's per-call argument checking
 
-from .base import register_compressor
+from .base import DEFAULT_DENSITY, register_compressor
 from .device import Proposal
 from .segmented import Steps
 from .threshold import ThresholdCompressor, View
@@ -53,7 +53,7 @@ class GaussianK(ThresholdCompressor):
         step_up, step_down: threshold factors when too many / too few elements were selected.
     """
 
-    def __init__(self, density: float = 0.01, refine_passes: int = 3, step_up: float = 1.3,
+    def __init__(self, density: float = DEFAULT_DENSITY, refine_passes: int = 3, step_up: float = 1.3,
                  step_down: float = 0.7) -> None:
         super().__init__(density)
         self.refine_passes = int(refine_passes)

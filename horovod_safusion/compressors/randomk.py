@@ -24,7 +24,7 @@ import torch
 
 from ..kernels import to_device
 from ..segment import Segments
-from .base import Compressor, register_compressor
+from .base import DEFAULT_DENSITY, Compressor, register_compressor
 
 
 @register_compressor("randomk")
@@ -36,7 +36,7 @@ class RandomK(Compressor):
         seed: shared by all ranks; the step number is mixed in, so positions change every step.
     """
 
-    def __init__(self, density: float = 0.01, seed: int = 0) -> None:
+    def __init__(self, density: float = DEFAULT_DENSITY, seed: int = 0) -> None:
         super().__init__(density)
         self.seed = int(seed)
 

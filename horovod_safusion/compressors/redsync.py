@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import register_compressor
+from .base import DEFAULT_DENSITY, register_compressor
 from .device import Proposal
 from .state import PerSegment
 from .threshold import ThresholdCompressor, View
@@ -26,7 +26,7 @@ class RedSync(ThresholdCompressor):
 
     state_fields = ("_ratio",)
 
-    def __init__(self, density: float = 0.01, iterations: int = 8) -> None:
+    def __init__(self, density: float = DEFAULT_DENSITY, iterations: int = 8) -> None:
         super().__init__(density)
         self.iterations = int(iterations)
         self._ratio = PerSegment(fill=0.5)

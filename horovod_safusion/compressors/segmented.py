@@ -58,6 +58,9 @@ LOWERINGS = 3
 #: :func:`_compare` makes room for this many more indices at a time (a block of the segment).
 COMPARE_BLOCK = 4096
 
+#: The largest buffer whose selected indices :class:`IndexScratch` holds as int32.
+INT32_INDEX_LIMIT = int(np.iinfo(np.int32).max)
+
 
 @_jit
 def _grow(out, n, more=1):  # pragma: no cover - compiled
@@ -406,36 +409,50 @@ class IndexScratch:
     used in them (and a block of :func:`_compare`'s room) goes back to that size. So the first
     selections after a plan switch, which run far past k before their thresholds settle, do not
     hold their size for the rest of training, and the doubling's spare half is not shrunk and
-    regrown back and forth."""
+    regrown back and forth.
+
+    Indices are int32 (4 bytes each) while every buffer selected from has at most
+    :data:`INT32_INDEX_LIMIT` elements, as the wire's indices are; a larger buffer widens the
+    scratch to int64 for good (:meth:`fit`). The kernels compile for both widths."""
 
     WINDOW = 64
     SLACK = 2
 
     def __init__(self) -> None:
-        self._slots: list[np.ndarray] = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
+        self.dtype: type = np.int32
+        self._slots: list[np.ndarray] = [np.empty(0, dtype=self.dtype), np.empty(0, dtype=self.dtype)]
         self.candidates = np.empty(0, dtype=np.int64)  # :meth:`NumbaKernels.select_top`'s bin
         self._reserved = 0  # reservations in this window
         self._needed = 0  # the most expected or used in this window
 
-    def reserve(self, expected: int) -> None:
-        """Make both slots at least ``expected`` long (what the next selections should need), and
-        at the end of a window give back what the window did not need."""
+    def fit(self, numel: int) -> None:
+        """Widen the indices to int64 (once, emptying the slots) if a buffer of ``numel`` elements
+        has indices past int32's."""
+        if numel > INT32_INDEX_LIMIT and self.dtype is np.int32:
+            self.dtype = np.int64
+            self._slots = [np.empty(0, dtype=self.dtype), np.empty(0, dtype=self.dtype)]
+
+    def reserve(self, expected: int, numel: int) -> None:
+        """Make both slots at least ``expected`` long (what the next selections from a buffer of
+        ``numel`` elements should need), and at the end of a window give back what the window did
+        not need."""
+        self.fit(numel)
         self._needed = max(self._needed, expected)
         self._reserved += 1
         if self._reserved >= self.WINDOW:
             needed = self._needed + COMPARE_BLOCK  # the kernels grow a slot a block ahead
             for slot in (0, 1):
                 if self._slots[slot].size > self.SLACK * needed:
-                    self._slots[slot] = np.empty(needed, dtype=np.int64)
+                    self._slots[slot] = np.empty(needed, dtype=self.dtype)
             self._reserved = self._needed = 0
         for slot in (0, 1):
             if self._slots[slot].size < expected:
-                self._slots[slot] = np.empty(expected, dtype=np.int64)
+                self._slots[slot] = np.empty(expected, dtype=self.dtype)
 
     def get(self, slot: int, expected: int = 0) -> np.ndarray:
         """Slot ``slot``, at least ``expected`` long."""
         if self._slots[slot].size < expected:
-            self._slots[slot] = np.empty(expected, dtype=np.int64)
+            self._slots[slot] = np.empty(expected, dtype=self.dtype)
         return self._slots[slot]
 
     def keep(self, slot: int, grown: np.ndarray, used: int) -> None:
@@ -494,6 +511,7 @@ class NumbaKernels:
         utype = np.uint32 if x.dtype == np.float32 else np.uint64
         bits = x.view(utype)
         mask = utype(np.iinfo(utype).max >> 1)  # every bit but the sign
+        scratch.fit(x.size)
         out = scratch.get(0, int(np.minimum(ks, self.sizes).sum()))
         n, cand = _select_top(bits, mask, self.offsets, self.sizes, ks, 8 * x.itemsize, out, counts,
                               scratch.candidates)
@@ -587,5 +605,5 @@ def warm_up() -> None:
                                scratch, 1)
         kernels.select_top(x, ks, scratch)
         kernels.kth_largest(x, offsets, sizes, ks)
-        kernels.kth_largest(x, offsets, sizes, ks, idx=np.arange(10, dtype=np.int64))
+        kernels.kth_largest(x, offsets, sizes, ks, idx=np.arange(10, dtype=scratch.dtype))
         kernels.exceedance_moments(x, np.arange(2), np.zeros(2), True)

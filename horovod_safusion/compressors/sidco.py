@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from scipy import special
 
-from .base import register_compressor
+from .base import DEFAULT_DENSITY, register_compressor
 from .threshold import PeriodicThreshold, View
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma-gpareto")
@@ -98,7 +98,7 @@ class SIDCo(PeriodicThreshold):
         refine_passes: at most this many corrections per step.
     """
 
-    def __init__(self, density: float = 0.01, distribution: str = "exponential", stages: int = 2,
+    def __init__(self, density: float = DEFAULT_DENSITY, distribution: str = "exponential", stages: int = 2,
                  interval: int = 10, drift: float = 2.0, refine_passes: int = 2) -> None:
         super().__init__(density, interval, drift, refine_passes)
         if distribution not in DISTRIBUTIONS:

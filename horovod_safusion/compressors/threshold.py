@@ -34,7 +34,7 @@ import torch
 
 from ..kernels import constant
 from ..segment import Segments
-from .base import Compressor
+from .base import DEFAULT_DENSITY, Compressor
 from .device import DeviceView, Proposal, SegmentStats, on_host
 from .segmented import LOWERINGS, Band, IndexScratch, NumbaKernels, Reselection, Steps
 from .state import PerSegment
@@ -85,7 +85,7 @@ class SegmentView:
         self.mean = self._abs_sum / np.maximum(self.sizes, 1)  # of |x|
         self.unit = np.maximum(self.mean, np.finfo(np.float64).tiny)  # a scale that is never zero
         self._scratch = scratch or IndexScratch()
-        self._scratch.reserve(2 * int(self.k.sum()) + len(self.k))  # a selection ends in a band about k
+        self._scratch.reserve(2 * int(self.k.sum()) + len(self.k), flat.numel())  # a band about k
         self._indices = None  # selected, ascending, in runs of self._counts
         self._counts: np.ndarray | None = None
         self._applied: np.ndarray | None = None  # per segment, the (clipped) threshold of its selection
@@ -280,7 +280,7 @@ class ThresholdCompressor(Compressor):
     between calls, so an instance selects one buffer at a time, as the controller calls it.
     """
 
-    def __init__(self, density: float = 0.01) -> None:
+    def __init__(self, density: float = DEFAULT_DENSITY) -> None:
         super().__init__(density)
         self._scratch = IndexScratch()
 

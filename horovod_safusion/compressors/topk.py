@@ -21,7 +21,7 @@ import torch
 
 from ..kernels import constant
 from ..segment import Segments
-from .base import Compressor, register_compressor
+from .base import DEFAULT_DENSITY, Compressor, register_compressor
 from .device import on_host
 from .segmented import NumbaKernels
 from .segmented import IndexScratch
@@ -42,7 +42,7 @@ def _groups(segments: Segments, density: float) -> tuple[tuple[int, int, tuple[i
 class TopK(Compressor):
     """Exact per-segment top-k of ``|x|``; deterministic (ties: the lowest indices on CPU)."""
 
-    def __init__(self, density: float = 0.01) -> None:
+    def __init__(self, density: float = DEFAULT_DENSITY) -> None:
         super().__init__(density)
         self._scratch = IndexScratch()
 

@@ -20,7 +20,7 @@ def test_plan_profiles_a_model_on_the_spot_then_replans_a_saved_profile(hvd, cap
     assert main(["plan", "--model", "digits:DigitsCNN", "--steps", "3", "--save-profile", str(prof),
                  "--json", str(plan)]) == 0
     out = capsys.readouterr().out
-    assert "16 gradient tensors, 45,418 elements, density 0.01, 1 worker(s)" in out
+    assert "16 gradient tensors, 45,418 elements, density 0.03, 1 worker(s)" in out  # the default
     for name in ("safusion-naive", "safusion-inter", "safusion", "cupcake", "omgs"):
         assert f"\n{name:<16} " in out  # one row per planner in the side-by-side table
     assert "T_cm ms" in out and "predicted iteration" in out

@@ -93,7 +93,7 @@ def test_registry_and_density_errors():
             make_compressor("topk", bad)
     with pytest.raises(ValueError, match="compressor 'none' sends every element"):
         make_compressor("none", 0.01)
-    assert make_compressor("dgc", None).density == 0.01
+    assert make_compressor("dgc", None).density == 0.03  # the default: density.DEFAULT
     inst = TopK(0.05)
     assert make_compressor(inst, None) is inst
     with pytest.raises(ValueError, match="contradicts"):
@@ -581,19 +581,48 @@ def test_the_index_scratch_gives_back_what_a_window_of_selections_did_not_need()
     expected = 2 * 1000 + 1  # 2 Σ k + segments, as a view reserves for k = 1000
 
     def select(threshold: float, slot: int) -> np.ndarray:
-        scratch.reserve(expected)
+        scratch.reserve(expected, x.size)
         idx, counts = kernels.select(x, np.array([threshold]), scratch, slot)
         np.testing.assert_array_equal(idx, np.flatnonzero(np.abs(x) >= threshold))
         assert counts.tolist() == [idx.size]
         return idx
 
     big = select(0.5, 1)  # half the buffer
-    assert scratch.nbytes >= 8 * big.size
+    width = np.dtype(scratch.dtype).itemsize
+    assert width == 4  # int32 indices for a buffer of fewer than 2**31 elements
+    assert scratch.nbytes >= width * big.size
     for _ in range(2 * IndexScratch.WINDOW):  # the big one's window, then one without it
         near_k = select(0.99, 1)
     room = max(expected, near_k.size) + COMPARE_BLOCK  # what a window of these needs
-    assert scratch.nbytes <= 2 * 8 * IndexScratch.SLACK * room < 8 * big.size // 2
+    assert scratch.nbytes <= 2 * width * IndexScratch.SLACK * room < width * big.size // 2
 
     grown = [select(0.97, 0) for _ in range(3 * IndexScratch.WINDOW)]  # about 1.5 × expected each
     assert grown[0].size > expected
     assert len({id(idx.base) for idx in grown}) == 1  # grown once by the first, then kept as it is
+
+
+def test_the_index_scratch_widens_to_int64_for_a_buffer_past_int32():
+    """A buffer of more than 2**31 − 1 elements has indices int32 cannot hold: reserving for one
+    widens the scratch to int64 for good, and every selection kernel selects the same indices at
+    either width."""
+    from horovod_safusion.compressors.segmented import INT32_INDEX_LIMIT, IndexScratch, NumbaKernels
+    x = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
+    offsets, sizes = np.array([0, 20_000]), np.array([20_000, 30_000])
+    kernels, ks = NumbaKernels(offsets, sizes), np.array([200, 300])
+
+    def selections(scratch: IndexScratch) -> list[np.ndarray]:
+        idx, counts = kernels.select(x, np.array([2.0, 2.5]), scratch, 0)
+        again, _ = kernels.reselect(x, idx.copy(), counts, np.array([1, 2], dtype=np.int8),
+                                    np.array([2.2, 2.0]), scratch, 1)
+        return [idx.copy(), again.copy(), kernels.select_top(x, ks, scratch).copy(),
+                kernels.kth_largest(x, np.array([0, idx.size // 2]), np.array([idx.size // 2, idx.size - idx.size // 2]),
+                                    np.array([3, 4]), idx=idx)]
+
+    narrow, wide = IndexScratch(), IndexScratch()
+    narrow.reserve(1000, x.size)
+    wide.reserve(1000, INT32_INDEX_LIMIT + 1)
+    assert (narrow.dtype, wide.dtype) == (np.int32, np.int64)
+    wide.reserve(1000, x.size)  # widened for good: no switching back and forth
+    assert wide.dtype == np.int64
+    for a, b in zip(selections(narrow), selections(wide)):
+        np.testing.assert_array_equal(a, b)
