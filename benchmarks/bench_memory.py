@@ -267,8 +267,10 @@ def main() -> None:
         cmd = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
                os.path.abspath(__file__), "--worker", "--scheme", scheme, "--tag", tag, "--out", args.out,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "examples"), ROOT]),
-                   MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+        given = resolve(scheme).env  # the label's variables; its PYTHONPATH (another tree) comes first
+        env = dict(os.environ, **given, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+        env["PYTHONPATH"] = os.pathsep.join([*filter(None, [given.get("PYTHONPATH")]),
+                                             os.path.join(ROOT, "examples"), ROOT])
         proc = subprocess.run(cmd, env=env)
         if proc.returncode:
             print(f"{scheme}: the job failed (exit {proc.returncode})", file=sys.stderr)
