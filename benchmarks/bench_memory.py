@@ -269,8 +269,8 @@ def main() -> None:
                "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
         given = resolve(scheme).env  # the label's variables; its PYTHONPATH (another tree) comes first
         env = dict(os.environ, **given, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-        env["PYTHONPATH"] = os.pathsep.join([*filter(None, [given.get("PYTHONPATH")]),
-                                             os.path.join(ROOT, "examples"), ROOT])
+        tree = [given["PYTHONPATH"]] if "PYTHONPATH" in given else []
+        env["PYTHONPATH"] = os.pathsep.join([*tree, os.path.join(ROOT, "examples"), ROOT])
         proc = subprocess.run(cmd, env=env)
         if proc.returncode:
             print(f"{scheme}: the job failed (exit {proc.returncode})", file=sys.stderr)

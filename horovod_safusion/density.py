@@ -42,16 +42,15 @@ if TYPE_CHECKING:
     from .plan import FusionPlan
 
 AUTO = "auto"
-#: The density of ``density=None`` (every sparsifier's default): the lowest candidate of
-#: ``"auto"``. SAFusion (§5) and DGC evaluate 0.01 and 0.001, with all of DGC's techniques at
-#: 0.001; under this plugin's defaults (momentum correction without masking, no warm-up) 0.01
-#: learns too slowly per step beyond two workers for its smaller messages to pay — the language
-#: model stays far above dense's perplexity at 4 and 8 workers where 0.03 ends near it — and the
-#: allgather at 0.03 still sends a few percent of a dense allreduce (docs/benchmarks.md, "The
-#: default density").
-DEFAULT = 0.03
 #: The densities ``density="auto"`` chooses among, besides dense (see the module docstring).
 CANDIDATES = (0.03, 0.1)
+#: The density of ``density=None`` (every sparsifier's default): the lowest candidate of
+#: ``"auto"``, for the same reason. SAFusion (§5) and DGC evaluate 0.01 and 0.001, with all of
+#: DGC's techniques at 0.001; under this plugin's defaults (momentum correction without masking,
+#: no warm-up) 0.01 learns too slowly per step beyond two workers for its smaller messages to pay:
+#: the language model stays far above dense's perplexity at 4 and 8 workers where 0.03 ends near
+#: it (docs/benchmarks.md, "The default density").
+DEFAULT = min(CANDIDATES)
 #: A denser option is preferred while its iteration time is within this fraction of the fastest's.
 MARGIN = 0.2
 

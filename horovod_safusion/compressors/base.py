@@ -104,9 +104,9 @@ available_compressors = COMPRESSORS.names   # names accepted by ``compressor=``
 def make_compressor(spec: "str | Compressor", density: float | None) -> Compressor:
     """Resolve ``compressor=`` (a registered name or an instance) and ``density=``.
 
-    ``density=None`` means the compressor's own default (:data:`DEFAULT_DENSITY` for sparsifiers) for names and the
-    instance's own density for instances;
-    an explicit density that contradicts an instance's is an error rather than a silent choice.
+    ``density=None`` means the compressor's own default (:data:`DEFAULT_DENSITY` for sparsifiers)
+    for names and the instance's own density for instances; an explicit density that contradicts
+    an instance's is an error rather than a silent choice.
     """
     if isinstance(spec, Compressor):
         if density is not None and check_density(density) != spec.density:
