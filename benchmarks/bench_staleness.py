@@ -18,7 +18,9 @@ trained two ways:
   what Horovod computes);
 * the plugin with every tensor sparsified (``dense=False, min_selected=0``) at each density, with
   its default error feedback (``momentum_correction="auto"``), classic error feedback
-  (``momentum_correction=False``) and DGC's momentum correction with masking (``True``).
+  (``momentum_correction=False``), DGC's momentum correction with masking (``True``), and the
+  default with Accordion's critical regimes over intervals of 10 steps (``critical_regimes=10``:
+  an interval whose update's norm changed by half or more sends the next one dense).
 
 The table gives the median over seeds of the final evaluation loss ("diverged" where it is not
 finite), its ratio to ``dense, delay 0``, the number of seeds that ended within 10× of it, and the
@@ -42,7 +44,8 @@ from tqdm import tqdm
 
 import horovod_safusion as saf
 
-VARIANTS = {"default": {}, "classic": {"momentum_correction": False}, "mc+mask": {"momentum_correction": True}}
+VARIANTS = {"default": {}, "classic": {"momentum_correction": False}, "mc+mask": {"momentum_correction": True},
+            "regimes": {"critical_regimes": 10}}
 
 
 def mlp() -> nn.Module:

@@ -38,7 +38,7 @@ TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor ma
               "classic": "classic error feedback under the SGD's momentum"}
 DGC = frozenset({"mc", "clip", "warmup"})
 ENV_KEY = re.compile(r"[A-Z][A-Z0-9_]*")  # a pair with such a key is an environment variable
-INT_KEYS = ("profile_steps", "replan_every", "min_selected", "warmup_steps")
+INT_KEYS = ("profile_steps", "replan_every", "min_selected", "warmup_steps", "critical_regimes")
 FLOAT_KEYS = ("local_clipping",)
 
 

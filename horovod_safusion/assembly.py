@@ -29,6 +29,7 @@ from .options import AUTO, Options
 from .plan import TensorInfo
 from .profiling import OnlineProfiler
 from .stages.loss_scale import scaler_scale
+from .regime import CriticalRegimes
 from .warmup import DensityWarmup
 
 #: The planner of ``fusion=None``.
@@ -78,7 +79,8 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
         if correction or options.ef21 else None,
         clipping=None if options.local_clipping is None else LocalClipping(options.local_clipping,
                                                                            opt.process_set.size()),
-        warmup=warmup if warmup.steps else None, min_selected=options.min_selected, densities=densities)
+        warmup=warmup if warmup.steps else None, min_selected=options.min_selected, densities=densities,
+        regimes=None if options.critical_regimes is None else CriticalRegimes(options.critical_regimes))
     return Parts(planner, comp, comms, profiler, controller, correction)
 
 

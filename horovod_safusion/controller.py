@@ -67,6 +67,7 @@ from .stages.mode import StepMode
 from .stages.record import Filling, InFlight
 from .stages.select import Selection, selection_for
 from .stages.send import Sender
+from .regime import CriticalRegimes
 from .warmup import DensityWarmup
 
 __all__ = ["Controller", "StepStats"]
@@ -92,6 +93,7 @@ class Controller:
             the target.
         min_selected: tensors that would send fewer elements per step than this go dense in a
             shared buffer (:func:`~horovod_safusion.plan.send_small_dense`); 0 sparsifies all.
+        regimes: Accordion's critical regimes: the steps of a critical interval are sent dense.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
@@ -100,14 +102,14 @@ class Controller:
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
                  warmup: DensityWarmup | None = None, min_selected: int = 0,
-                 densities: Sequence[float] = ()) -> None:
+                 densities: Sequence[float] = (), regimes: CriticalRegimes | None = None) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicators = communicator if isinstance(communicator, dict) else {communicator.name: communicator}
         communicator = self.communicator = next(iter(self.communicators.values()))
         self.reduction = Reduction(op, prescale, postscale)
         self.residuals = ResidualStore()
-        self.momentum, self.clipping, self.warmup = momentum, clipping, warmup
+        self.momentum, self.clipping, self.warmup, self.regimes = momentum, clipping, warmup, regimes
         self.min_selected = min_selected
         self.densities = tuple(densities)  # the candidates of density="auto", else none
         self.loss_scale = LossScale(loss_scale)
@@ -204,7 +206,8 @@ class Controller:
         compressor's class and density, the communicator's class)."""
         return {"steps": self.steps, "loss_scale": self.loss_scale.residuals,
                 "compressor": type(self.compressor).__name__, "density": self.asked_density,
-                "communicator": type(self.communicator).__name__, "plan": self.plan.to_json()}
+                "communicator": type(self.communicator).__name__, "plan": self.plan.to_json(),
+                "regimes": self.regimes.state_dict() if self.regimes is not None else None}
 
     def rank_state(self) -> dict:
         """This rank's own part: its residuals and momenta, its compressor's and communicator's state."""
@@ -247,6 +250,8 @@ class Controller:
         if state["communicator"] == type(self.communicator).__name__ and world_size == size:
             self.communicator.load_state_dict(source["communicator"])
         self.steps = int(state["steps"])
+        if self.regimes is not None and state.get("regimes") is not None:
+            self.regimes.load_state_dict(state["regimes"])
         if takes_plan:
             self.set_plan(plan)
             return True
@@ -324,13 +329,17 @@ class Controller:
 
     # ---- the step's mode ------------------------------------------------------------------------
     def density_at(self, step: int) -> float:
-        """The density step ``step`` selects at (the warm-up's, else the target)."""
+        """The density step ``step`` selects at: every element in a critical regime, else the
+        warm-up's, else the target."""
+        if self.regimes is not None and self.regimes.critical:
+            return 1.0
         return self.warmup.density_at(step) if self.warmup is not None else self.target_density
 
     @property
-    def warming_up(self) -> bool:
-        """Whether the next step still belongs to the density warm-up."""
-        return self.warmup is not None and self.warmup.active(self.steps)
+    def off_target(self) -> bool:
+        """Whether the last step sent at a density other than the target: it belonged to the
+        density warm-up or to a critical regime."""
+        return self.mode is not None and self.mode.density != self.target_density
 
     def _open_step(self) -> None:
         """The step's first gradient (or its synchronize()): decide its mode. A dense compressor, a
@@ -434,6 +443,8 @@ class Controller:
             tally.count(buf, flight)
         self._clear_records()
         self.write_back.finish(self.flags.arrived_anywhere)
+        if self.regimes is not None and not self.flags.poisoned:
+            self.regimes.observe([p.grad for p in self.params.values() if p.grad is not None])
         self.joining = self.flags.joining
         self.last_stats = tally.total()  # one read per step
         self.steps += 1

@@ -103,6 +103,12 @@ class Options:
         ``"exponential"`` (four stages at ``density^(1/5)``, ``^(2/5)``, ``^(3/5)``, ``^(4/5)``:
         DGC's 25 %, 6.25 %, 1.6 %, 0.4 % for 0.001) or ``"dense"`` (every element, like PowerSGD's
         ``start_powerSGD_iter``).""")
+    critical_regimes: Any = _option(None, """
+        Accordion's critical learning regimes (Agarwal et al., MLSys'21, Algorithm 1): every this many
+        steps, compare the root mean square of the update's norm with the previous interval's; where
+        it changed by half or more, the next interval is sent dense, and the first two always are. It
+        spends bandwidth where sparse steps would learn least (fast change, early training) and
+        pulls back a run that error feedback's delay makes diverge. Default ``None`` (off).""")
     min_selected: int = _option(MIN_SELECTED, """
         a tensor that would send fewer than this many elements per step (``ceil(density · numel)``:
         biases, norms, small heads) is sent whole, in one dense buffer shared by all such tensors,
@@ -132,6 +138,9 @@ class Options:
         if self.ef21 and mc is True:
             raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
                              "with momentum_correction=True: pass one of them")
+        cr = self.critical_regimes
+        if cr is not None and (isinstance(cr, bool) or not isinstance(cr, int) or cr < 1):
+            raise ValueError(f"critical_regimes must be None or a positive int (the steps of an interval), got {cr!r}")
         ms = self.min_selected
         if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0:
             raise ValueError(f"min_selected must be an integer >= 0 (0 sparsifies every tensor), got {ms!r}")
@@ -159,7 +168,8 @@ def signature(factory: Callable) -> inspect.Signature:
              "fusion": "str | Planner | None", "communicator": "str | Communicator",
              "replan_every": "int | None", "timeline": "str | TimelineRecorder | None",
              "dense": "bool | str | None", "momentum_correction": "bool | str",
-             "momentum_masking": "bool | None", "local_clipping": "float | None"}
+             "momentum_masking": "bool | None", "local_clipping": "float | None",
+             "critical_regimes": "int | None"}
     horovods = list(inspect.signature(factory).parameters.values())[:-1]
     return inspect.Signature(horovods + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                                            annotation=hints.get(f.name, f.type))

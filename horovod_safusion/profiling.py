@@ -218,9 +218,10 @@ class OnlineProfiler:
             self._samples.append(self._watching.resolve(now))
             self.reset_step(controller)
         self.steps += 1
-        # (not after a resume, and not while the density warms up: those steps do not time the plan)
+        # (not after a resume, and not at a warm-up's or a critical regime's density: those steps
+        # do not time the plan)
         if self.trial is not None and not self.trial.done and self._last_end is not None \
-                and not controller.warming_up:
+                and not controller.off_target:
             switch = self.trial.step_ends(clock.seconds(self._last_end, now), self.process_set)
             if switch is not None:
                 controller.switch_plan(switch)

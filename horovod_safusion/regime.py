@@ -1,0 +1,80 @@
+"""Critical learning regimes: send dense while the gradient changes fast (Accordion, Agarwal, Wang,
+Lee, Venkataraman and Papailiopoulos, MLSys'21, Algorithm 1; not in the reference set).
+
+Small gradient errors early in training, or wherever the gradient changes fast, cost accuracy that
+later steps do not win back (Achille et al.'s critical learning periods, which Accordion builds
+on). Accordion therefore compresses little in such "critical regimes" and much elsewhere, and detects them by a
+single test on the gradient's norm over an interval: if it changed by at least η (0.5) relative to
+the previous interval's, the next interval is critical (Algorithm 1). Training starts critical, and
+the first comparison needs two intervals, so the first two intervals always are (as in the
+authors' code). Here a critical interval sends every element (the step's mode is dense, residuals
+included, over Horovod's allreduce); any other sends at the target density.
+
+It also catches what error feedback cannot survive: when every tensor is sparsified, an element
+waits about 1/density steps in the residual, and an SGD whose momentum tolerates less delay
+diverges (``benchmarks/bench_staleness.py``). The gradient's norm then grows by more than η per
+interval, the next interval goes dense, and the dense steps pull the run back.
+
+Where this departs from the paper, and why:
+
+* **An interval is** ``interval`` **steps**, not an epoch: the plugin does not see epochs, and runs
+  that reach their target in a few epochs would spend a whole one dense.
+* **The norm is the step's aggregate's**, the update every rank applies alike, so every rank
+  decides alike with no collective (Accordion decides on rank 0's accumulated gradient and
+  broadcasts the decision).
+* **It is the root mean square of the steps' norms**, not the norm of the interval's summed
+  gradient, which would hold another copy of the model (:mod:`horovod_safusion.memory`'s bound).
+* **One decision for the model**, not one per layer: a layer sent dense inside a sparse step would
+  travel as indices and values over the allgather, twice its dense bytes times the workers.
+
+A step that some rank could not send whole (non-finite values; the user skips it) is not counted.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ETA = 0.5  # Accordion's η: the relative change of the norm that marks a critical regime (the authors' value)
+
+
+class CriticalRegimes:
+    """Whether the current interval of ``interval`` steps is critical (sent dense)."""
+
+    def __init__(self, interval: int) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"critical_regimes must be a positive int (the steps of an interval) or None, "
+                             f"got {interval!r}")
+        self.interval = interval
+        self.critical = True  # training starts critical (Accordion, Algorithm 1)
+        self.previous: float | None = None  # the last complete interval's norm
+        self._squares: torch.Tensor | float = 0.0  # the interval's sum of squared norms so far
+        self._counted = 0
+
+    def observe(self, grads: list[torch.Tensor]) -> None:
+        """Count one step whose aggregate the optimizer applies (``grads``, the same on every rank);
+        at an interval's end, decide the next. Reads the device once per interval."""
+        if grads:
+            self._squares = self._squares + torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+                                                         for g in grads]).square().sum()
+        self._counted += 1
+        if self._counted < self.interval:
+            return
+        norm = math.sqrt(float(self._squares) / self._counted)
+        if math.isfinite(norm):
+            self.critical = self.previous is None or self.previous == 0.0 or \
+                abs(norm - self.previous) / self.previous >= ETA
+            self.previous = norm
+        self._squares, self._counted = 0.0, 0
+
+    def state_dict(self) -> dict:
+        """What resumes the decision bit for bit (the same on every rank)."""
+        return {"critical": self.critical, "previous": self.previous, "squares": float(self._squares),
+                "counted": self._counted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.critical, self.previous = bool(state["critical"]), state["previous"]
+        self._squares, self._counted = float(state["squares"]), int(state["counted"])
+
+    def __repr__(self) -> str:
+        return f"CriticalRegimes(interval={self.interval}, critical={self.critical})"

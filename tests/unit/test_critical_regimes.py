@@ -1,0 +1,107 @@
+"""Accordion's critical regimes (``critical_regimes=``, :mod:`horovod_safusion.regime`): the rule on
+given norms, the optimizer sending dense exactly in critical intervals, and a resume that continues
+bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import horovod_safusion as saf
+from horovod_safusion.regime import ETA, CriticalRegimes
+from test_dgc_techniques import backward, make
+
+
+def feed(regimes: CriticalRegimes, norm: float) -> None:
+    regimes.observe([torch.tensor([norm])])
+
+
+def test_an_interval_is_critical_after_a_change_of_half_or_more():
+    r = CriticalRegimes(2)
+    assert r.critical  # the first interval always is
+    for norm in (1.0, 1.0):
+        feed(r, norm)
+    assert r.critical and r.previous == pytest.approx(1.0)  # no previous interval to compare with
+    for norm in (1.25, 1.25):  # +25 %
+        feed(r, norm)
+    assert not r.critical
+    feed(r, 1.25 * (1 + ETA))
+    assert not r.critical  # decided at the interval's end only
+    feed(r, 1.25 * (1 + ETA))
+    assert r.critical  # +50 %, exactly (binary fractions)
+    for norm in (0.5, 0.5):  # −72 %: a fall counts as a change too
+        feed(r, norm)
+    assert r.critical
+    for norm in (3.0, 4.0):  # the root mean square of the steps' norms: sqrt(12.5) against 0.5
+        feed(r, norm)
+    assert r.critical and r.previous == pytest.approx(12.5 ** 0.5)
+    for norm in (float("nan"), 1.0):  # a non-finite interval decides nothing
+        feed(r, norm)
+    assert r.critical and r.previous == pytest.approx(12.5 ** 0.5)
+
+
+def test_the_decision_resumes_from_its_state():
+    a, b = CriticalRegimes(3), CriticalRegimes(3)
+    for norm in (1.0, 1.0, 1.0, 1.1):
+        feed(a, norm)
+    b.load_state_dict(a.state_dict())
+    for norm in (1.1, 2.5, 2.5, 2.5, 2.5):
+        feed(a, norm)
+        feed(b, norm)
+        assert a.state_dict() == b.state_dict()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
+def test_a_bad_interval_is_a_clear_error(hvd, bad):
+    with pytest.raises(ValueError, match=f"critical_regimes must be None or a positive int .*got {bad!r}"):
+        make(compressor="topk", density=0.01, critical_regimes=bad)
+    with pytest.raises(ValueError, match=f"critical_regimes must be a positive int .*got {bad!r}"):
+        CriticalRegimes(bad)
+
+
+def test_critical_intervals_are_sent_dense_and_the_rest_at_the_target(hvd):
+    """Every step of a critical interval sends every element, the residuals included (they are
+    empty after it); the others send the target density; the first interval is critical."""
+    model, opt = make(compressor="topk", density=0.01, critical_regimes=3)
+    regimes = opt.controller.regimes
+    kinds = []
+    for step in range(24):
+        critical = regimes.critical
+        opt.zero_grad()
+        backward(model, step % 20)
+        opt.step()
+        kinds.append(critical)
+        if critical:
+            assert opt.last_stats.density == 1.0
+            assert not any(r.abs().sum() for r in opt.residuals.state_dict().values())
+        else:
+            assert opt.last_stats.density < 0.05
+    assert kinds[:3] == [True] * 3 and not all(kinds)
+
+
+def test_a_resumed_run_continues_bit_for_bit(hvd):
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            backward(model, step)
+            opt.step()
+
+    model, opt = make(compressor="dgc", density=0.02, critical_regimes=2)
+    run(model, opt, range(5))  # mid-interval
+    params, state = {n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()
+    model2, opt2 = make(compressor="dgc", density=0.02, critical_regimes=2, seed=1)
+    with torch.no_grad():
+        for n, p in model2.named_parameters():
+            p.copy_(params[n])
+    opt2.load_state_dict(state)
+    assert opt2.controller.regimes.state_dict() == opt.controller.regimes.state_dict()
+    run(model, opt, range(5, 12))
+    run(model2, opt2, range(5, 12))
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(p, q), n
+    assert opt2.controller.regimes.state_dict() == opt.controller.regimes.state_dict()
+
+
+def test_the_option_is_documented_and_off_by_default(hvd):
+    model, opt = make(compressor="topk", density=0.01)
+    assert opt.controller.regimes is None
+    assert "critical_regimes" in saf.DistributedOptimizer.__doc__
