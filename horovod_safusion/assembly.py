@@ -28,8 +28,8 @@ from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCo
 from .options import AUTO, Options
 from .plan import TensorInfo
 from .profiling import OnlineProfiler
-from .stages.loss_scale import scaler_scale
 from .regime import CriticalRegimes
+from .stages.loss_scale import scaler_scale
 from .warmup import DensityWarmup
 
 #: The planner of ``fusion=None``.

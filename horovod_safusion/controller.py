@@ -58,6 +58,7 @@ from .momentum import LocalClipping, MomentumCorrection
 from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, WAIT,
                        Observer, combine)
 from .plan import FusionPlan, check_plan_across_ranks, send_small_dense
+from .regime import CriticalRegimes
 from .residual import ResidualStore
 from .stages.collect import StepStats, Tally, WriteBack, keep_leftover, unpack
 from .stages.fill import Filler
@@ -67,7 +68,6 @@ from .stages.mode import StepMode
 from .stages.record import Filling, InFlight
 from .stages.select import Selection, selection_for
 from .stages.send import Sender
-from .regime import CriticalRegimes
 from .warmup import DensityWarmup
 
 __all__ = ["Controller", "StepStats"]

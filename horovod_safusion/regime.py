@@ -3,9 +3,9 @@ Lee, Venkataraman and Papailiopoulos, MLSys'21, Algorithm 1; not in the referenc
 
 Small gradient errors early in training, or wherever the gradient changes fast, cost accuracy that
 later steps do not win back (Achille et al.'s critical learning periods, which Accordion builds
-on). Accordion therefore compresses little in such "critical regimes" and much elsewhere, and detects them by a
-single test on the gradient's norm over an interval: if it changed by at least η (0.5) relative to
-the previous interval's, the next interval is critical (Algorithm 1). Training starts critical, and
+on). Accordion therefore compresses little in such "critical regimes" and much elsewhere, and
+detects them by a single test on the gradient's norm over an interval: if it changed by at least
+η (0.5) relative to the previous interval's, the next interval is critical (Algorithm 1). Training starts critical, and
 the first comparison needs two intervals, so the first two intervals always are (as in the
 authors' code). Here a critical interval sends every element (the step's mode is dense, residuals
 included, over Horovod's allreduce); any other sends at the target density.
