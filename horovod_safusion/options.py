@@ -138,9 +138,6 @@ class Options:
         if self.ef21 and mc is True:
             raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
                              "with momentum_correction=True: pass one of them")
-        cr = self.critical_regimes
-        if cr is not None and (isinstance(cr, bool) or not isinstance(cr, int) or cr < 1):
-            raise ValueError(f"critical_regimes must be None or a positive int (the steps of an interval), got {cr!r}")
         ms = self.min_selected
         if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0:
             raise ValueError(f"min_selected must be an integer >= 0 (0 sparsifies every tensor), got {ms!r}")

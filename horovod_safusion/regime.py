@@ -5,9 +5,9 @@ Small gradient errors early in training, or wherever the gradient changes fast, 
 later steps do not win back (Achille et al.'s critical learning periods, which Accordion builds
 on). Accordion therefore compresses little in such "critical regimes" and much elsewhere, and
 detects them by a single test on the gradient's norm over an interval: if it changed by at least
-η (0.5) relative to the previous interval's, the next interval is critical (Algorithm 1). Training starts critical, and
-the first comparison needs two intervals, so the first two intervals always are (as in the
-authors' code). Here a critical interval sends every element (the step's mode is dense, residuals
+η (0.5) relative to the previous interval's, the next interval is critical (Algorithm 1).
+Training starts critical, and the first comparison needs two intervals, so the first two
+intervals always are (as in the authors' code). Here a critical interval sends every element (the step's mode is dense, residuals
 included, over Horovod's allreduce); any other sends at the target density.
 
 It also catches what error feedback cannot survive: when every tensor is sparsified, an element
@@ -43,7 +43,7 @@ class CriticalRegimes:
 
     def __init__(self, interval: int) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"critical_regimes must be a positive int (the steps of an interval) or None, "
+            raise ValueError(f"critical_regimes must be None or a positive int (the steps of an interval), "
                              f"got {interval!r}")
         self.interval = interval
         self.critical = True  # training starts critical (Accordion, Algorithm 1)
