@@ -37,8 +37,10 @@ registered compressor. ``--schemes`` also takes single techniques: ``+mc``, ``+n
 (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``: classic error
 feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or ``+classic`` keeps the
 plugin's default (``momentum_correction="auto"``: DGC's correction without masking for this
-SGD). This benchmark runs ours with ``dense=False`` (a label's ``:dense=...`` overrides it), so
-the comparison is of the sparse algorithms; rank 0 prints what each label resolved to.
+SGD). This benchmark runs ours with ``dense=False`` and critical regimes at the default's interval
+(``critical_regimes=10``: what the default does where it sends sparse, since ``dense=False`` alone
+turns them off; a label's ``:dense=...`` or ``:critical_regimes=none`` overrides either), so the
+comparison is of the sparse algorithms; rank 0 prints what each label resolved to.
 
 Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
 (excluding evaluation) is kept with each point. The report gives per scheme the median final
@@ -80,6 +82,7 @@ from tqdm import tqdm
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import horovod_safusion as saf  # noqa: E402
+from horovod_safusion.regime import DEFAULT_INTERVAL  # noqa: E402
 from corpus import stdlib_split  # noqa: E402
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 from models import LSTMLanguageModel  # noqa: E402
@@ -200,8 +203,9 @@ def warmup_steps(total_steps: int, args) -> int:
 
 def our_kwargs(scheme: Scheme, task: Task, total_steps: int, args) -> dict:
     """Our optimizer's arguments: the label's, on this benchmark's defaults — ``dense=False`` (it
-    compares the sparse algorithms' learning) and ``--min-selected`` where given."""
-    defaults = {"dense": False}
+    compares the sparse algorithms' learning) with the default's critical regimes, and
+    ``--min-selected`` where given."""
+    defaults = {"dense": False, "critical_regimes": DEFAULT_INTERVAL}
     if getattr(args, "min_selected", None) is not None:
         defaults["min_selected"] = args.min_selected
     return scheme.kwargs(warmup_steps=warmup_steps(total_steps, args), clip=task.clip, defaults=defaults)

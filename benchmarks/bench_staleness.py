@@ -17,10 +17,11 @@ trained two ways:
 * ``dense, delay d``: plain PyTorch, each step applies the gradient of d steps before (d = 0 is
   what Horovod computes);
 * the plugin with every tensor sparsified (``dense=False, min_selected=0``) at each density, with
-  its default error feedback (``momentum_correction="auto"``), classic error feedback
-  (``momentum_correction=False``), DGC's momentum correction with masking (``True``), and the
-  default with Accordion's critical regimes over intervals of 10 steps (``critical_regimes=10``:
-  an interval whose update's norm changed by half or more sends the next one dense).
+  its default error feedback (``momentum_correction="auto"``; ``dense=False`` turns the default's
+  critical regimes off), classic error feedback (``momentum_correction=False``), DGC's momentum
+  correction with masking (``True``), and the default with Accordion's critical regimes at the
+  default's interval of 10 steps (``critical_regimes=10``, what the default does where it sends
+  sparse: an interval whose update's norm changed by half or more sends the next one dense).
 
 The table gives the median over seeds of the final evaluation loss ("diverged" where it is not
 finite), its ratio to ``dense, delay 0``, the number of seeds that ended within 10× of it, and the
@@ -43,9 +44,10 @@ import horovod.torch as hvd
 from tqdm import tqdm
 
 import horovod_safusion as saf
+from horovod_safusion.regime import DEFAULT_INTERVAL
 
 VARIANTS = {"default": {}, "classic": {"momentum_correction": False}, "mc+mask": {"momentum_correction": True},
-            "regimes": {"critical_regimes": 10}}
+            "regimes": {"critical_regimes": DEFAULT_INTERVAL}}
 
 
 def mlp() -> nn.Module:

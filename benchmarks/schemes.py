@@ -149,10 +149,13 @@ def parse(label: str) -> Scheme:
 
 
 def _value(label: str, key: str, value: str):
-    """A ``key=value`` option's value: ints, floats, booleans, ``auto``, else the string."""
+    """A ``key=value`` option's value: ints, floats, booleans, ``auto``, else the string;
+    ``critical_regimes=none`` turns critical regimes off."""
     try:
         if key == "density":
             return value if value == "auto" else float(value)
+        if key == "critical_regimes" and value in ("none", "auto"):
+            return None if value == "none" else value
         if key in INT_KEYS:
             return int(value)
         if key in FLOAT_KEYS:

@@ -28,7 +28,7 @@ from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCo
 from .options import AUTO, Options
 from .plan import TensorInfo
 from .profiling import OnlineProfiler
-from .regime import CriticalRegimes
+from .regime import DEFAULT_INTERVAL, CriticalRegimes
 from .stages.loss_scale import scaler_scale
 from .warmup import DensityWarmup
 
@@ -80,7 +80,7 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
         clipping=None if options.local_clipping is None else LocalClipping(options.local_clipping,
                                                                            opt.process_set.size()),
         warmup=warmup if warmup.steps else None, min_selected=options.min_selected, densities=densities,
-        regimes=None if options.critical_regimes is None else CriticalRegimes(options.critical_regimes))
+        regimes=critical_regimes(options.critical_regimes, planner, comp))
     return Parts(planner, comp, comms, profiler, controller, correction)
 
 
@@ -176,6 +176,18 @@ def set_dense_choice(planner: Planner, dense: "bool | str | None") -> None:
     elif dense is True:
         raise ValueError(f"dense=True sends a sparse compressor's job dense, which fusion='safusion' can do; "
                          f"fusion={planner.name!r} cannot (use fusion='horovod' for a dense scheme)")
+
+
+def critical_regimes(option: Any, planner: Planner, compressor: Compressor) -> CriticalRegimes | None:
+    """Accordion's critical regimes as ``critical_regimes=`` asks: ``"auto"`` (the default) at
+    intervals of :data:`~horovod_safusion.regime.DEFAULT_INTERVAL` steps where the job sparsifies
+    and may send dense (a planner that chooses, left at ``dense="auto"``), else off; ``None`` off;
+    an int, that interval."""
+    if isinstance(option, str) and option == AUTO:
+        free = planner.chooses_dense and planner.dense_choice == AUTO
+        on = free and not compressor.dense and compressor.density < 1.0
+        return CriticalRegimes(DEFAULT_INTERVAL) if on else None
+    return None if option is None else CriticalRegimes(option)
 
 
 def density_candidates(planner: Planner, compressor: Compressor, density: Any) -> tuple[float, ...]:

@@ -103,12 +103,14 @@ class Options:
         ``"exponential"`` (four stages at ``density^(1/5)``, ``^(2/5)``, ``^(3/5)``, ``^(4/5)``:
         DGC's 25 %, 6.25 %, 1.6 %, 0.4 % for 0.001) or ``"dense"`` (every element, like PowerSGD's
         ``start_powerSGD_iter``).""")
-    critical_regimes: Any = _option(None, """
+    critical_regimes: Any = _option(AUTO, """
         Accordion's critical learning regimes (Agarwal et al., MLSys'21, Algorithm 1): every this many
         steps, compare the root mean square of the update's norm with the previous interval's; where
         it changed by half or more, the next interval is sent dense, and the first two always are. It
         spends bandwidth where sparse steps would learn least (fast change, early training) and
-        pulls back a run that error feedback's delay makes diverge. Default ``None`` (off).""")
+        pulls back a run that error feedback's delay makes diverge. ``"auto"`` (the default):
+        intervals of 10 steps where the job sparsifies with ``fusion="safusion"`` and
+        ``dense="auto"``, off otherwise (``dense=False`` never sends dense). ``None``: off.""")
     min_selected: int = _option(MIN_SELECTED, """
         a tensor that would send fewer than this many elements per step (``ceil(density · numel)``:
         biases, norms, small heads) is sent whole, in one dense buffer shared by all such tensors,

@@ -90,11 +90,13 @@ def scenario_dense_equality():
 
 def scenario_dense_choice():
     """fusion="safusion" prices a dense allreduce, settles it by a measured trial on every rank
-    alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients after the profile."""
+    alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients after the profile.
+    Without critical regimes, whose dense intervals the trial waits out (unit-tested), so that the
+    trial falls within these few steps."""
     out = {}
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
-                                   profile_steps=2)
+                                   profile_steps=2, critical_regimes=None)
     for step in range(TRIAL_LENGTH):  # warm-up, profile, and a trial's blocks
         x, y = batch(step)
         opt.zero_grad()

@@ -26,17 +26,20 @@ import schemes  # noqa: E402
     ("safusion@0.01+ef21", {"density": 0.01, "error_feedback": "ef21-sgdm"}),
     ("safusion:communicator=spardl:dense=false:min_selected=0",
      {"communicator": "spardl", "dense": False, "min_selected": 0}),
+    ("safusion:critical_regimes=none", {"critical_regimes": None}),
+    ("safusion:critical_regimes=5", {"critical_regimes": 5}),
 ])
 def test_a_label_resolves_to_the_same_arguments_everywhere(label, kwargs):
     scheme = schemes.parse(label)
     assert scheme.ours and scheme.kwargs(warmup_steps=7, clip=0.25) == kwargs
     # bench_peers adds nothing of its own at the library's profile_steps; bench_convergence only
-    # its documented default, dense=False, which a label's own dense= overrides
+    # its documented defaults, dense=False with the default's critical regimes, which a label's own
+    # options override
     peers = argparse.Namespace(profile_steps=bench_peers.default_profile_steps())
     assert bench_peers.ours_kwargs(scheme, peers) == scheme.kwargs(warmup_steps=bench_peers.DENSE_WARMUP)
     task = argparse.Namespace(clip=0.25)
     conv = bench_convergence.our_kwargs(scheme, task, 70, argparse.Namespace(warmup_fraction=0.1, min_selected=None))
-    assert conv == {"dense": False, **scheme.kwargs(warmup_steps=7, clip=0.25)}
+    assert conv == {"dense": False, "critical_regimes": 10, **scheme.kwargs(warmup_steps=7, clip=0.25)}
 
 
 def test_peers_and_environment_variables():

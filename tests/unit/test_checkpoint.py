@@ -30,6 +30,7 @@ def train(m, opt, steps, first=0):
 def make(m, **kw):
     kw.setdefault("compressor", "dgc")
     kw.setdefault("density", 0.05)
+    kw.setdefault("critical_regimes", None)  # sparse from the first step: residuals to resume
     return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=m.named_parameters(), min_selected=0, profile_steps=2, **kw)
 

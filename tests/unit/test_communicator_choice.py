@@ -97,6 +97,7 @@ def test_start_says_what_was_planned_with_every_prediction(hvd, capsys):
 
 
 def make(m, **kw):
+    kw.setdefault("critical_regimes", None)  # sparse from the first step, over the plan's communicator
     return saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=m.named_parameters(), density=0.05, min_selected=0,
                                     profile_steps=2, **kw)

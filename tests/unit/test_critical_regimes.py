@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import horovod_safusion as saf
-from horovod_safusion.regime import ETA, CriticalRegimes
+from horovod_safusion.fusion import NaivePlanner
+from horovod_safusion.regime import DEFAULT_INTERVAL, ETA, CriticalRegimes
+from horovod_safusion.trial import PlanTrial
 from test_dgc_techniques import backward, make
 
 
@@ -52,9 +54,9 @@ def test_the_decision_resumes_from_its_state():
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
 def test_a_bad_interval_is_a_clear_error(hvd, bad):
-    with pytest.raises(ValueError, match=f"critical_regimes must be None or a positive int .*got {bad!r}"):
+    with pytest.raises(ValueError, match=f"critical_regimes must be 'auto', None or a positive int .*got {bad!r}"):
         make(compressor="topk", density=0.01, critical_regimes=bad)
-    with pytest.raises(ValueError, match=f"critical_regimes must be None or a positive int .*got {bad!r}"):
+    with pytest.raises(ValueError, match=f"critical_regimes must be 'auto', None or a positive int .*got {bad!r}"):
         CriticalRegimes(bad)
 
 
@@ -101,7 +103,41 @@ def test_a_resumed_run_continues_bit_for_bit(hvd):
     assert opt2.controller.regimes.state_dict() == opt.controller.regimes.state_dict()
 
 
-def test_the_option_is_documented_and_off_by_default(hvd):
-    model, opt = make(compressor="topk", density=0.01)
+def test_the_default_is_on_where_the_job_may_send_dense(hvd):
+    """``"auto"``: intervals of 10 steps with ``fusion="safusion"`` and ``dense="auto"`` on a sparse
+    compressor; off where the user fixed the scheme (``dense=False``, another planner), where
+    nothing is sparsified (``compressor="none"``, ``dense=True``), and with ``None``."""
+    model, opt = make(compressor="topk", density=0.01, fusion=None)
+    assert opt.controller.regimes is not None and opt.controller.regimes.interval == DEFAULT_INTERVAL == 10
+    for off in ({"dense": False}, {"dense": True}, {"critical_regimes": None}, {}):
+        model, opt = make(compressor="topk", density=0.01, fusion=None if off else NaivePlanner(4096), **off)
+        assert opt.controller.regimes is None, off
+    model, opt = make(compressor="none", fusion=None)
     assert opt.controller.regimes is None
+    model, opt = make(compressor="topk", density=0.01, fusion=None, dense=False, critical_regimes=5)
+    assert opt.controller.regimes.interval == 5  # asked for, it runs where the default would not
     assert "critical_regimes" in saf.DistributedOptimizer.__doc__
+
+
+def test_the_plan_trial_times_no_step_of_a_critical_interval(hvd, monkeypatch):
+    """The measured trial between two plans (``dense="auto"``, ``density="auto"``) compares step
+    times at the target density: the steps of a critical interval, sent dense, are not timed."""
+    model, opt = make(compressor="topk", density=0.01, fusion=None, critical_regimes=3, profile_steps=2)
+    timed = []
+    step_ends = PlanTrial.step_ends
+
+    def spy(trial, seconds, process_set):
+        timed.append(opt.controller.mode.density)
+        return step_ends(trial, seconds, process_set)
+
+    monkeypatch.setattr(PlanTrial, "step_ends", spy)
+    sent = []
+    for step in range(40):
+        if step == 4:  # past the profile (one worker runs no trial of its own): two plans to compare
+            opt.profiler.trial = PlanTrial(opt.plan, opt.plan)
+        opt.zero_grad()
+        backward(model, step % 20)
+        opt.step()
+        sent.append(opt.last_stats.density)
+    assert 1.0 in sent[5:] and len(timed) >= 5  # critical intervals fell inside the trial, which timed steps
+    assert all(d == opt.target_density for d in timed), timed

@@ -47,7 +47,7 @@ def test_the_profile_prices_the_fixed_work_of_a_buffer(hvd):
     torch.manual_seed(0)
     m = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                   profile_steps=2, min_selected=0)
+                                   profile_steps=2, min_selected=0, critical_regimes=None)
     train(opt, m, 4)
     p = opt.profile
     assert p.meta["profiled_plan"] == "provisional"

@@ -142,7 +142,8 @@ def test_unsupported_gradients_fail_clearly(hvd):
 
 def test_state_dict_keeps_this_ranks_residuals(hvd):
     m, sgd = model_and_sgd()
-    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=0, compressor="topk", density=0.1)
+    opt = saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=0, compressor="topk",
+                                   density=0.1, critical_regimes=None)
     backward(m)
     opt.step()
     state = opt.state_dict()

@@ -226,7 +226,7 @@ def test_one_worker_job_applies_exactly_what_was_selected(hvd, communicator):
     m = DigitsCNN(width=4)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                    compressor="exdyna" if communicator == "exdyna" else "topk", density=0.1,
-                                   communicator=communicator)
+                                   communicator=communicator, critical_regimes=None)
     named = list(m.named_parameters())
     for step in range(3):
         before = [opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in named]
