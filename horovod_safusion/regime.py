@@ -7,8 +7,9 @@ on). Accordion therefore compresses little in such "critical regimes" and much e
 detects them by a single test on the gradient's norm over an interval: if it changed by at least
 η (0.5) relative to the previous interval's, the next interval is critical (Algorithm 1).
 Training starts critical, and the first comparison needs two intervals, so the first two
-intervals always are (as in the authors' code). Here a critical interval sends every element (the step's mode is dense, residuals
-included, over Horovod's allreduce); any other sends at the target density.
+intervals always are (as in the authors' code). Here a critical interval sends every element
+(the step's mode is dense, residuals included, over Horovod's allreduce); any other sends at the
+target density.
 
 It also catches what error feedback cannot survive: when every tensor is sparsified, an element
 waits about 1/density steps in the residual, and an SGD whose momentum tolerates less delay
