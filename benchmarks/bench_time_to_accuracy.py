@@ -58,6 +58,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import time
 
@@ -164,9 +165,12 @@ def commands(scheme: str, model: str, seed: int, result: str, prefix: list[str],
     return launchers(worker_cmd, parse(scheme).torchrun, args.np, hosts, prefix)
 
 
-def run_job(cmds: list[list[str]], result: str, log: str, timeout: float = JOB_TIMEOUT_S) -> dict:
-    """Run one job (its commands side by side); its result, or a record of why it failed."""
-    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1"), timeout, lambda: worker_pids(result))
+def run_job(cmds: list[list[str]], result: str, log: str, timeout: float = JOB_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> dict:
+    """Run one job (its commands side by side), with the label's environment ``env`` (e.g.
+    ``PYTHONPATH`` of another tree); its result, or a record of why it failed."""
+    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout,
+                          lambda: worker_pids(result))
     for name in glob.glob(f"{glob.escape(result)}.pid*"):
         os.remove(name)
     if codes is not None and not any(codes) and os.path.exists(result):
@@ -309,11 +313,12 @@ def run_seed(scheme: str, model: str, seed: int, hosts: int, link: str, prefix: 
     and so does every later cell of the model (``failed_before``: model → why, filled here)."""
     def job(label: str, timeout: float) -> dict:
         where = f"{hosts}hosts" if hosts else f"{args.np}workers"
-        name = f"{model}_{where}_{link}_{seed}_{label}".replace("@", "_at_").replace("+", "_")
+        name = re.sub(r"[^\w.=-]", "_", f"{model}_{where}_{link}_{seed}_{label}".replace("@", "_at_"))
         result, log = os.path.join(logs, name + ".json"), os.path.join(logs, name + ".log")
         if os.path.exists(result):
             os.remove(result)
-        return run_job(commands(label, model, seed, result, prefix, hosts, args), result, log, timeout)
+        return run_job(commands(label, model, seed, result, prefix, hosts, args), result, log, timeout,
+                       parse(label).env)
 
     if scheme != "ddp-powersgd":
         return job(scheme, JOB_TIMEOUT_S)

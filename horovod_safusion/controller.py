@@ -31,7 +31,9 @@ Four rules keep error feedback exact in real training loops (the stages' docstri
   any rank dropped one, every gradient of the step arrives as NaN on every rank, and every rank
   takes back what it sent into its residuals. A dense step lets a NaN through, as Horovod does.
 * **Loss scaling**: residuals are kept at the loss scale of the step that made them.
-* **Wire rounding**: what ``Compression.fp16`` rounds off stays in the residual.
+* **Wire rounding**: what ``Compression.fp16`` rounds off stays in the residual, and so does what
+  a critical step sent as float16 rounds off (:mod:`~horovod_safusion.stages.half`); a float16
+  aggregate that is not finite is sent again in float32, so a NaN still gets through as it would.
 
 DGC's accuracy techniques (:mod:`~horovod_safusion.momentum`, :mod:`~horovod_safusion.warmup`) act
 on what enters the residual: local clipping, then momentum correction (the residual accumulates
@@ -49,6 +51,7 @@ from typing import Callable, Container, Sequence
 import torch
 
 from . import checkpoint
+from .announce import announce
 from .buffer import FusionBuffer, gather, link
 from .communicators import Communicator, Reduction
 from .communicators.base import AUTO_SPARSE
@@ -60,6 +63,7 @@ from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_O
 from .plan import FusionPlan, check_plan_across_ranks, send_small_dense
 from .regime import CriticalRegimes
 from .residual import ResidualStore
+from .stages import half
 from .stages.collect import StepStats, Tally, WriteBack, keep_leftover, unpack
 from .stages.fill import Filler
 from .stages.flags import StepFlags, poison
@@ -348,8 +352,10 @@ class Controller:
         self._step_open = True
         density = self.density_at(self.steps)
         rescale = self.loss_scale.begin(rescales=not (self.compressor.dense and self.momentum is None))
+        regimes = self.regimes
+        half = regimes is not None and regimes.critical and regimes.half and not self.plan.dense
         self.mode = StepMode(dense=self.compressor.dense or self.plan.dense or density >= 1.0,
-                             density=density, rescale=rescale, step=self.steps)
+                             density=density, rescale=rescale, step=self.steps, half=half)
 
     def reset_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers
@@ -400,7 +406,7 @@ class Controller:
         if not self.mode.sends_dense(buf):
             selected = self._selections[buf.index](buf, filling, self.steps, self.mode.density)
             self.filler.keep_rest(buf)
-        elif not buf.dense:
+        elif not buf.dense and not self.mode.sends_half(buf):
             buf.flat = None  # its residuals went along with the gradients
         if obs:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
@@ -454,6 +460,15 @@ class Controller:
             obs.span(SYNCHRONIZE, t_sync)
         return self.last_stats
 
+    def _resend(self, buf: FusionBuffer, flight: InFlight) -> None:
+        """``buf``'s float16 aggregate overflowed on every rank alike: send it again in float32,
+        and critical steps stay float32 from now on."""
+        if not self.regimes.overflowed:
+            announce("a critical step's float16 aggregate overflowed: sent again in float32, and "
+                     "critical steps go as float32 from now on")
+        self.regimes.fall_back()
+        self.sender.resend(buf, flight)
+
     def _collect(self, buf: FusionBuffer, flight: InFlight) -> None:
         """Wait for ``buf``'s collective and decode it into ``p.grad``; then what the step left
         goes back into the residuals, or, if some rank had a non-finite gradient, everything it
@@ -465,6 +480,8 @@ class Controller:
         poisoned = self.flags.poisoned  # submitted last: waits for the others too
         t = obs.span(WAIT, t, buffer=buf.index) if obs else None
         pending.wait()  # decoding into the gradients: computation after communication
+        if flight.half and not half.deliver(buf, flight, self.residuals):
+            self._resend(buf, flight)
         if pending.feedback is not None:
             self.compressor.feedback(buf.selection, pending.feedback)
         t = obs.span(DECOMPRESS, t, buffer=buf.index) if obs else None

@@ -11,7 +11,8 @@ size, locally, on a copy of the compressor) and the active communicator (one col
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
 choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
 for planners that choose one; under ``density="auto"`` the compressor at each candidate
-density, :mod:`horovod_safusion.density`). The communicator is timed by a sweep, not inside the
+density, :mod:`horovod_safusion.density`; under critical regimes a float16 dense allreduce beside
+the float32 one, :mod:`horovod_safusion.regime`). The communicator is timed by a sweep, not inside the
 training step: Horovod reports no completion time for an asynchronous collective, and waiting for
 one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
 only). Measurements are reduced across ranks — back-propagation and compression times by the
@@ -39,12 +40,14 @@ import horovod.torch as hvd
 from scipy.optimize import nnls
 
 from . import sweeps, trial
+from .announce import announce
 from .clock import Clock
 from .communicators.base import contenders
 from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
 from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, Observer
 from .plan import FusionPlan, TensorInfo
+from .regime import CriticalRegimes
 from .session import collective
 
 
@@ -268,6 +271,11 @@ class OnlineProfiler:
         priced = linked and self.planner.prices_dense
         dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
                                    if priced else ([], []))
+        regimes = controller.regimes
+        weighs_half = linked and regimes is not None and comm.compression is hvd.Compression.none \
+            and dtype == torch.float32
+        wire_bytes, wires = (self._time_wires(tensors, dtype, device, (dense_bytes, dense_secs) if priced else None)
+                             if weighs_half else (0.0, []))
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
         # each step's phases and each selection's time are the slowest rank's
@@ -280,7 +288,10 @@ class OnlineProfiler:
         # a message's size is the same on every rank (sweeps.communication_sweep); its time is
         # the fastest rank's, the one that did not wait for the others to arrive
         fastest = reduce_by_name({**{f"communicate:{name}": secs for name, (_, secs) in swept.items()},
-                                  "dense_allreduce": dense_secs}, hvd.Min, "saf.profile.min", process_set)
+                                  "dense_allreduce": dense_secs, "wires": wires},
+                                 hvd.Min, "saf.profile.min", process_set)
+        if weighs_half:
+            self.choose_critical_wire(regimes, *fastest["wires"], wire_bytes)
         curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
         ready, cp_secs = slowest["ready"], slowest["compress"]
         prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
@@ -300,6 +311,25 @@ class OnlineProfiler:
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 
+
+    def _time_wires(self, tensors: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
+                    dense: tuple[list[float], list[float]] | None) -> tuple[float, list[float]]:
+        """A critical step's two wires timed (:mod:`~horovod_safusion.regime`): one dense allreduce
+        of the largest size swept, in float32 (the ``dense`` sweep's last, where the planner
+        prices dense) and in float16 (collectives). Returns the size's bytes and the two times."""
+        ps = self.process_set
+        nbytes, secs = dense if dense is not None else sweeps.dense_allreduce_sweep(
+            hvd.Compression.none, tensors, dtype, device, ps, largest=True)
+        _, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, tensors, dtype, device, ps, largest=True)
+        return nbytes[-1], [secs[-1], half[0]]
+
+    @staticmethod
+    def choose_critical_wire(regimes: CriticalRegimes, float32_s: float, float16_s: float, nbytes: float) -> None:
+        """Float16 or float32 for critical steps, from one dense allreduce of ``nbytes`` timed in
+        each (the same on every rank); rank 0 says what was chosen."""
+        wire = "float16, rounding error kept" if regimes.choose_wire(float32_s, float16_s) else "float32"
+        announce(f"critical steps go as {wire} (a dense allreduce of {nbytes / 1e6:.2f} MB: "
+                     f"{float32_s * 1e3:.1f} ms in float32, {float16_s * 1e3:.1f} ms in float16)")
 
     def _buffer_cost(self, controller: Controller, suffix: float) -> tuple[float, float]:
         """The fixed work per buffer (:attr:`Profile.buffer_cost`) from the profiled steps: the

@@ -30,6 +30,17 @@ Where this departs from the paper, and why:
 
 A step that some rank could not send whole (non-finite values; the user skips it) is not counted.
 
+**A critical interval's wire.** Where the link is slow, a dense step costs what Horovod's does,
+and most of the time a critical interval saves is spent on it. Like Horovod's
+``Compression.fp16``, a critical step may then travel as float16, which halves its bytes; unlike
+it, the rounding error stays in the residual (:mod:`horovod_safusion.stages.half`), so error
+feedback loses nothing and the next steps send it. The profile decides, by measurement: its sweep
+times a dense allreduce of the same size in float32 and in float16, and the critical steps go as
+float16 where that measured at most :data:`HALF_MARGIN` of float32's time (:meth:`choose_wire`;
+float16 costs conversions, which a fast link does not repay). A float16 aggregate that overflows
+is sent again in float32, and the job's critical steps stay in float32 from then on
+(:meth:`fall_back`).
+
 **The default** (``critical_regimes="auto"``) turns the rule on, at intervals of
 :data:`DEFAULT_INTERVAL` steps, where the job is free to send dense: ``fusion="safusion"`` with
 ``dense="auto"`` and a sparse compressor. ``dense=False`` promises never to send dense, and another
@@ -45,6 +56,10 @@ import torch
 
 ETA = 0.5  # Accordion's η: the relative change of the norm that marks a critical regime (the authors' value)
 DEFAULT_INTERVAL = 10  # the steps of an interval under critical_regimes="auto" (see the module's docstring)
+#: A critical step goes as float16 where a float16 dense allreduce measured at most this share of
+#: float32's time: the margin covers what the sweep does not time (the rounding error kept, the
+#: check for overflow) and the sweep's noise.
+HALF_MARGIN = 0.8
 
 
 class CriticalRegimes:
@@ -59,6 +74,8 @@ class CriticalRegimes:
         self.previous: float | None = None  # the last complete interval's norm
         self._squares: torch.Tensor | float = 0.0  # the interval's sum of squared norms so far
         self._counted = 0
+        self.half = False  # critical steps travel as float16 (chosen by the profile, :meth:`choose_wire`)
+        self.overflowed = False  # a float16 aggregate overflowed: float32 from then on
 
     def observe(self, grads: list[torch.Tensor]) -> None:
         """Count one step whose aggregate the optimizer applies (``grads``, the same on every rank);
@@ -76,14 +93,27 @@ class CriticalRegimes:
             self.previous = norm
         self._squares, self._counted = 0.0, 0
 
+    def choose_wire(self, float32_s: float, float16_s: float) -> bool:
+        """Send critical steps as float16 if a dense allreduce of the same buffer measured at most
+        :data:`HALF_MARGIN` of float32's seconds (times every rank shares: the profile's); never
+        again after an overflow. Returns the choice."""
+        self.half = not self.overflowed and float16_s <= HALF_MARGIN * float32_s
+        return self.half
+
+    def fall_back(self) -> None:
+        """A float16 aggregate overflowed (every rank sees the same aggregate, so every rank falls
+        back alike): critical steps go as float32 for the rest of the job."""
+        self.half, self.overflowed = False, True
+
     def state_dict(self) -> dict:
         """What resumes the decision bit for bit (the same on every rank)."""
         return {"critical": self.critical, "previous": self.previous, "squares": float(self._squares),
-                "counted": self._counted}
+                "counted": self._counted, "half": self.half, "overflowed": self.overflowed}
 
     def load_state_dict(self, state: dict) -> None:
         self.critical, self.previous = bool(state["critical"]), state["previous"]
         self._squares, self._counted = float(state["squares"]), int(state["counted"])
+        self.half, self.overflowed = bool(state.get("half", False)), bool(state.get("overflowed", False))
 
     def __repr__(self) -> str:
-        return f"CriticalRegimes(interval={self.interval}, critical={self.critical})"
+        return f"CriticalRegimes(interval={self.interval}, critical={self.critical}, half={self.half})"

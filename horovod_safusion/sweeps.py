@@ -148,21 +148,26 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 
 
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
-                          device: torch.device, process_set: Any, reps: int = 2) -> tuple[list[float], list[float]]:
+                          device: torch.device, process_set: Any, reps: int = 2,
+                          largest: bool = False) -> tuple[list[float], list[float]]:
     """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
     sizes up to the model's gradient bytes or :data:`SWEEP_BYTES`, whichever is smaller
-    (a collective): the price of sending dense, for the planner's dense choice."""
+    (a collective): the price of sending dense, for the planner's dense choice. ``largest``: that
+    largest size alone (how a critical step's wire is chosen, :mod:`~horovod_safusion.regime`).
+    Sizes are the uncompressed buffer's bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
     nbytes, seconds = [], []
-    for j, count in enumerate(sizes(1024, min(total, SWEEP_BYTES // element), COMMUNICATION_POINTS)):
+    counts = sizes(1024, min(total, SWEEP_BYTES // element), COMMUNICATION_POINTS)
+    tag = "half" if largest else "dense"
+    for j, count in enumerate(counts[-1:] if largest else counts):
         dense = torch.randn(count, dtype=dtype, device=device)
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
             a = clock.mark()
             sent, ctx = compression.compress(dense)
-            wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.dense.{j}"), op=hvd.Sum, process_set=process_set))
+            wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.{tag}.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
             if r:
                 times.append(clock.seconds(a, clock.mark()))

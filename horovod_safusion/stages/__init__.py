@@ -5,6 +5,7 @@
 * :mod:`.fill` — a gradient into its buffer: local clipping, momentum correction, the residual.
 * :mod:`.select` — one selection per buffer, on the host or on the device (chosen once per plan).
 * :mod:`.send` — one collective per buffer: the job's communicator, or Horovod's allreduce.
+* :mod:`.half` — a critical step's buffer as float16, its rounding error kept in the residual.
 * :mod:`.flags` — what every rank must agree on: the step's flags (non-finite gradients, arrived
   gradients, joining parameters).
 * :mod:`.loss_scale` — the loss scale the residuals are kept at.

@@ -80,12 +80,14 @@ class InFlight:
         target: where the aggregate is written (the tensors' ``grads``, or a dense buffer's flat).
         filling: the step's fill (the gradients' destinations, the residuals set aside).
         selected: what this rank sent, or ``None`` for a dense buffer (all of it).
+        half: the buffer went as float16 (:mod:`.half`); ``target`` is then the float16 wire.
     """
 
     pending: Pending
     target: Target
     filling: Filling
     selected: Selected | None = None
+    half: bool = False
 
     @property
     def poisoned(self) -> bool:

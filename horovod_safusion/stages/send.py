@@ -7,7 +7,7 @@ selection wrote them, and where the aggregate goes (``p.grad`` of each tensor). 
 every buffer of a dense step, and the buffer of small tensors — is reduced with Horovod's
 allreduce over the same process set and wire compression; the buffer of small tensors travels
 packed in its flat tensor, one tensor for Horovod, whose background thread pays per tensor it
-handles.
+handles. A critical step's buffer may go as float16, its rounding error kept (:mod:`.half`).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 from ..buffer import FusionBuffer
 from ..communicators import Allreduce, Communicator, Outgoing, Reduction
 from ..communicators.base import Target
+from .half import round_to_half
 from .mode import StepMode
 from .record import Filling, InFlight, Selected
 
@@ -45,8 +46,20 @@ class Sender:
 
     def start(self, buf: FusionBuffer, filling: Filling, mode: StepMode, selected: Selected | None) -> InFlight:
         """Start ``buf``'s collective: its ``selected`` elements, or all of it (``None``: dense)."""
+        if mode.sends_half(buf):
+            wire = Target((round_to_half(buf, filling),), np.array([0, buf.numel]))
+            return InFlight(self.allreduce.start(Outgoing(buf.tag, None, None, buf.numel, target=wire), self.reduction),
+                            wire, filling, half=True)
         comm = self.allreduce if mode.sends_dense(buf) else self.communicator
         target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(filling.grads), buf.bounds)
         values, indices, rows = (None, None, None) if selected is None else selected[:3]
         pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, target), self.reduction)
         return InFlight(pending, target, filling, selected)
+
+    def resend(self, buf: FusionBuffer, flight: InFlight) -> None:
+        """Reduce ``buf``'s gradients again, in float32, and wait: its float16 aggregate
+        overflowed (every rank calls this for the same buffers, in buffer order)."""
+        target = Target(tuple(flight.filling.grads), buf.bounds)
+        again = self.allreduce.start(Outgoing(f"{buf.tag}.fp32", None, None, buf.numel, target=target), self.reduction)
+        again.wait()
+        flight.pending.bytes_sent += again.bytes_sent

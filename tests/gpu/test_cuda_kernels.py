@@ -476,3 +476,38 @@ def test_one_synchronisation_per_buffer(name, kern):
     late = [(step, b, s, d) for step, b, s, d in log if step > 0 and (len(s) > 1 or len(d) > 1)]
     assert not late, (f"{name}/{kern}: more than one synchronisation per buffer (first step: {first} in all); "
                       + "; ".join(f"step {st} buffer {b}: selection {s}, decode {d}" for st, b, s, d in late))
+
+
+def test_a_critical_step_rounds_to_float16_keeping_the_error_bit_for_bit():
+    """``stages/half.py`` on the device: the float16 wire is the buffer's rounding, the buffer
+    keeps ``x - wire`` exactly (normal, subnormal and flushed float16 values), delivering reads
+    the device once per buffer, and an aggregate that overflowed is refused with nothing written."""
+    from types import SimpleNamespace
+
+    from horovod_safusion.buffer import FusionBuffer
+    from horovod_safusion.residual import ResidualStore
+    from horovod_safusion.stages.half import deliver, round_to_half
+
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-9, 4, (n,), generator=g).float()).to(DEVICE)
+          for n in (1000, 37, 4096)]
+    params = [torch.nn.Parameter(torch.zeros(x.numel(), device=DEVICE)) for x in xs]
+    buf = FusionBuffer(0, ["a", "b", "c"], params, "ahead")
+    filling = SimpleNamespace(grads=[x.clone() for x in xs])
+    wire = round_to_half(buf, filling)
+    for slot, x in enumerate(xs):
+        seg = buf.segment(slot)
+        assert torch.equal(wire[seg], x.half())
+        assert torch.equal(buf.flat[seg] + wire[seg].float(), x)
+    flight = SimpleNamespace(target=SimpleNamespace(tensors=(wire,)), filling=filling)
+    store = ResidualStore()
+    with synchronisations() as seen:
+        assert deliver(buf, flight, store)
+    assert len(seen) <= 1, seen
+    for slot, x in enumerate(xs):
+        assert torch.equal(filling.grads[slot], x.half().float())
+        assert torch.equal(store.peek(buf.names[slot]) + filling.grads[slot], x)
+    wire[5] = float("inf")
+    before = [t.clone() for t in filling.grads]
+    assert not deliver(buf, flight, store)
+    assert all(torch.equal(a, b) for a, b in zip(filling.grads, before))

@@ -30,8 +30,11 @@ from torch import nn
 import horovod.torch as hvd
 
 import horovod_safusion as saf
-from horovod_safusion import memory
+from horovod_safusion import memory, regime
 
+MARGIN = regime.HALF_MARGIN
+
+HALF = "critical steps as float16"  # not an optimizer argument: the margin is lifted for the run
 CONFIGS = {
     "horovod": None,  # hvd.DistributedOptimizer: the baseline of the resident peaks
     "default": {},
@@ -43,6 +46,8 @@ CONFIGS = {
     "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
     "momentum_correction": {"momentum_correction": True, "dense": False},
     "ef21-sgdm": {"error_feedback": "ef21-sgdm", "dense": False},
+    # critical intervals of 2 steps sent as float16 whatever the sweep measures (regime.HALF_MARGIN)
+    "critical_float16": {"critical_regimes": 2, "dense": False, HALF: True},
 }
 SETTLED_STEPS = 5  # trained after the plan settled, before the walk
 SETTLE_LIMIT = 200  # the default's trial waits out critical regimes, which this model's norm keeps raising
@@ -92,6 +97,8 @@ def run_horovod() -> dict:
 
 
 def run_config(kwargs: dict, leak: bool) -> dict:
+    kwargs = dict(kwargs)
+    regime.HALF_MARGIN = float("inf") if kwargs.pop(HALF, False) else MARGIN
     base = memory.resident()
     memory.reset_peak()
     torch.manual_seed(0)
@@ -116,7 +123,8 @@ def run_config(kwargs: dict, leak: bool) -> dict:
     out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0], "peak_rise": peak_rise,
            "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner, "dense": opt.plan.dense,
            "buffers": len(opt.plan.buffers), "settled_at": step,
-           "takes_momentum": opt.local_momentum is not None}  # u: DGC's correction or EF21-SGDM
+           "takes_momentum": opt.local_momentum is not None,  # u: DGC's correction or EF21-SGDM
+           "half": opt.controller.regimes is not None and opt.controller.regimes.half}
     if leak:
         step = train(opt, model, 20, step)  # allocator and caches warm
         tracemalloc.start()

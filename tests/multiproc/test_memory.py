@@ -1,7 +1,8 @@
 """The plugin's memory cannot drift: what it holds in its own tensors, under ``horovodrun -np 2``.
 
 ``memory_worker.py`` trains a model that is mostly one large tensor with every configuration a
-user picks from (the default, ``dense=False``, each communicator, momentum correction) past the
+user picks from (the default, ``dense=False``, each communicator, momentum correction, critical
+steps as float16) past the
 switch to the profiled plan, and walks the optimizer's objects for the distinct tensor storages
 they hold (:func:`horovod_safusion.memory.held`). Error feedback needs one residual per gradient
 element; the plugin may hold that and a quarter more (index scratch, wire rows, the profile), plus
@@ -28,9 +29,9 @@ MOMENTUM = 1.0  # × the model, added by momentum correction and by EF21-SGDM (t
 SMALL = 1 << 20  # bytes: the small constant (per-segment state, thresholds, the profile)
 
 CONFIGS = ["default", "dense=False", "allgather", "allreduce", "spardl", "zen", "exdyna", "momentum_correction",
-           "ef21-sgdm"]
+           "ef21-sgdm", "critical_float16"]
 TAKES_MOMENTUM = ("default", "dense=False", "allgather", "allreduce", "spardl", "zen", "momentum_correction",
-                  "ef21-sgdm")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
+                  "ef21-sgdm", "critical_float16")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
 
 pytestmark = pytest.mark.multiproc
 
@@ -56,6 +57,7 @@ def test_the_plugin_holds_what_error_feedback_needs(records, config):
         r = rec[config]
         model = r["model_bytes"]
         assert r["takes_momentum"] == (config in TAKES_MOMENTUM), (config, r)
+        assert r["half"] == (config == "critical_float16"), (config, r)
         extra = MOMENTUM * model if config in TAKES_MOMENTUM else 0.0
         assert r["held"] <= STEADY * model + extra + SMALL, (config, r)
         assert r["peak_held"] <= PEAK * model + extra + SMALL, (config, r)

@@ -114,6 +114,31 @@ def test_ef21_sgdm_conserves_and_keeps_replicas_identical(job):
     assert len({r["checksum"] for r in runs}) == 1, [r["checksum"] for r in runs]
 
 
+def test_critical_steps_as_float16_keep_the_rounding_and_fall_back_on_overflow(job):
+    """Critical steps as float16: each rank's rounding error stays in its residual bit for bit,
+    the aggregate is the mean of what the ranks sent, half the bytes go; an overflow on one rank
+    sends the buffer again in float32 on every rank, and float32 stays; replicas agree."""
+    runs = per_rank(job, "half_critical")
+    for r in runs:
+        steps = r["steps"]
+        assert [s["critical"] for s in steps[:6]] == [True] * 6, steps
+        assert [s["half"] for s in steps[:5]] == [True] * 5, steps
+        assert [s["overflowed"] for s in steps] == [False] * 4 + [True] * 5, steps
+        for s in steps[:4]:
+            assert s["exact"], s
+            assert s["relative_diff"] < 2 ** -9, s  # the mean of the float16 contributions, rounded
+            assert s["bytes_sent"] == 2 * s["numel"], s
+        overflow = steps[4]  # float16, then again float32
+        assert overflow["exact"] and overflow["relative_diff"] < 1e-6, overflow
+        assert overflow["bytes_sent"] == (2 + 4) * overflow["numel"], overflow
+        assert not any(s["half"] for s in steps[5:]), steps
+        assert steps[5]["bytes_sent"] == 4 * steps[5]["numel"], steps[5]
+        for s in steps[5:]:
+            assert s["exact"] or not s["critical"], s
+            assert s["relative_diff"] < 1e-5, s
+    assert len({r["checksum"] for r in runs}) == 1, [r["checksum"] for r in runs]
+
+
 def test_density_auto_is_chosen_alike_conserves_across_changes_and_resumes_bit_for_bit(job):
     """density="auto": every candidate priced, the trial settled, the same density on every rank
     (or dense on every rank); a checkpoint after the choice resumes bit-identically; switching the

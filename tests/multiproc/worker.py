@@ -364,6 +364,46 @@ def scenario_ef21_sgdm():
             "final_density": opt.last_stats.density}
 
 
+def scenario_half_critical():
+    """Critical steps as float16 (critical_regimes=3, the wire forced to float16): every rank keeps
+    exactly what rounding dropped (``residual + sent == residual_before + gradient`` bit for bit,
+    ``sent`` the float16 rounding), the aggregate is the mean of what the ranks sent (to float16's
+    rounding of the sum), half the bytes go; at step 4 rank 0's gradient overflows float16: the
+    buffer goes again in float32 (the aggregate is the float32 mean), and every rank falls back."""
+    m = make(width=16)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
+                                   compressor="topk", density=0.01, fusion=NaivePlanner(capacity_bytes=16384),
+                                   dense=False, min_selected=0, critical_regimes=3)
+    regimes = opt.controller.regimes
+    regimes.half = True  # (what the profile chooses on a slow link; NaivePlanner does not profile)
+    named = list(m.named_parameters())
+    numel = sum(p.numel() for _, p in named)
+    records = []
+    for step in range(9):
+        before = residuals_of(opt, named)
+        opt.zero_grad()
+        x, y = batch(step)
+        local = LocalGradients(named)
+        loss = F.cross_entropy(m(x), y)
+        (loss * (1e7 if step == 4 and hvd.rank() == 0 else 1.0)).backward()
+        local.remove()
+        critical, half = regimes.critical, opt.controller.mode.half
+        opt.synchronize()
+        acc = [r + local.grads[n] for r, (n, _) in zip(before, named)]
+        after = residuals_of(opt, named)
+        # this rank: the rounding error kept, bit for bit (a float16 step), or nothing kept (float32)
+        sent = [a.half().float() if half and not regimes.overflowed else a for a in acc]
+        exact = all(torch.equal(r + s, a) for r, s, a in zip(after, sent, acc))
+        cons = conservation_diff(named, acc, after)
+        scale = max(float(p.grad.abs().max()) for _, p in named)
+        records.append({"critical": critical, "half": half, "exact": exact, "relative_diff": cons / scale,
+                        "bytes_sent": opt.last_stats.bytes_sent, "numel": numel,
+                        "overflowed": regimes.overflowed})
+        with opt.skip_synchronize():
+            opt.step()
+    return {"steps": records, "checksum": float(sum(p.detach().double().sum() for p in m.parameters()))}
+
+
 def scenario_device_path():
     """The GPU path on CPU tensors (``HOROVOD_SAFUSION_DEVICE_PATH=1``), with the PyTorch kernels
     and with the Triton kernels under their interpreter: dgc at 0.01, ranks selecting different

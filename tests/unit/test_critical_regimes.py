@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import horovod_safusion as saf
+from horovod_safusion.buffer import FusionBuffer
 from horovod_safusion.fusion import NaivePlanner
-from horovod_safusion.regime import DEFAULT_INTERVAL, ETA, CriticalRegimes
+from horovod_safusion.regime import DEFAULT_INTERVAL, ETA, HALF_MARGIN, CriticalRegimes
+from horovod_safusion.stages.half import round_to_half
+from horovod_safusion.stages.record import Filling
 from horovod_safusion.trial import PlanTrial
 from test_dgc_techniques import backward, make
 
@@ -80,7 +84,8 @@ def test_critical_intervals_are_sent_dense_and_the_rest_at_the_target(hvd):
     assert kinds[:3] == [True] * 3 and not all(kinds)
 
 
-def test_a_resumed_run_continues_bit_for_bit(hvd):
+@pytest.mark.parametrize("half", [False, True])
+def test_a_resumed_run_continues_bit_for_bit(hvd, half):
     def run(model, opt, steps):
         for step in steps:
             opt.zero_grad()
@@ -88,6 +93,7 @@ def test_a_resumed_run_continues_bit_for_bit(hvd):
             opt.step()
 
     model, opt = make(compressor="dgc", density=0.02, critical_regimes=2)
+    opt.controller.regimes.half = half  # critical steps as float16: their rounding error is resumed too
     run(model, opt, range(5))  # mid-interval
     params, state = {n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()
     model2, opt2 = make(compressor="dgc", density=0.02, critical_regimes=2, seed=1)
@@ -96,6 +102,7 @@ def test_a_resumed_run_continues_bit_for_bit(hvd):
             p.copy_(params[n])
     opt2.load_state_dict(state)
     assert opt2.controller.regimes.state_dict() == opt.controller.regimes.state_dict()
+    assert opt2.controller.regimes.half == half
     run(model, opt, range(5, 12))
     run(model2, opt2, range(5, 12))
     for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
@@ -141,3 +148,59 @@ def test_the_plan_trial_times_no_step_of_a_critical_interval(hvd, monkeypatch):
         sent.append(opt.last_stats.density)
     assert 1.0 in sent[5:] and len(timed) >= 5  # critical intervals fell inside the trial, which timed steps
     assert all(d == opt.target_density for d in timed), timed
+
+
+def test_the_wire_of_critical_steps_is_chosen_by_measured_time_and_float32_stays_after_an_overflow():
+    r = CriticalRegimes(10)
+    assert not r.half  # float32 until the profile has measured both
+    assert r.choose_wire(0.100, HALF_MARGIN * 0.100) and r.half
+    assert not r.choose_wire(0.100, HALF_MARGIN * 0.100 * 1.01) and not r.half
+    r.choose_wire(0.100, 0.050)
+    r.fall_back()
+    assert not r.half and r.overflowed
+    assert not r.choose_wire(0.100, 0.010)  # after an overflow, never again
+    resumed = CriticalRegimes(10)
+    resumed.load_state_dict(r.state_dict())
+    assert resumed.overflowed and not resumed.half
+    old = {k: v for k, v in r.state_dict().items() if k not in ("half", "overflowed")}  # an older checkpoint
+    resumed.load_state_dict(old)
+    assert not resumed.half and not resumed.overflowed
+
+
+def test_a_critical_step_as_float16_keeps_the_rounding_error_as_the_residual(hvd):
+    """One worker, critical steps forced to float16: after each, the residual is exactly what
+    rounding the step's gradient plus the residual before dropped, and the gradient applied is
+    the float16 rounding; sparse steps afterwards start from that residual."""
+    model, opt = make(momentum=0.0, compressor="topk", density=0.01, critical_regimes=3)
+    opt.controller.regimes.half = True
+    named = list(model.named_parameters())
+    for step in range(6):  # the first two intervals are critical
+        opt.zero_grad()
+        backward(model, step)
+        sent_grad = {n: p.grad.detach().view(-1).clone() for n, p in named}  # gradient + residual
+        opt.synchronize()
+        assert opt.controller.mode.half and opt.last_stats.density == 1.0
+        kept = 0
+        for n, p in named:
+            after = opt.residuals.get(n, p.detach().view(-1))
+            h = sent_grad[n].half().float()
+            assert torch.equal(after + h, sent_grad[n]), n
+            assert torch.equal(p.grad.view(-1), h), n  # one worker: the aggregate is what it sent
+            kept += int(after.count_nonzero())
+        assert kept > 0  # float16 rounded something off, and the residual holds it
+        with opt.skip_synchronize():
+            opt.step()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=-65504.0, max_value=65504.0, width=32), min_size=1, max_size=300),
+       st.integers(min_value=-40, max_value=0))
+def test_rounding_to_float16_loses_nothing(values, exponent):
+    """``residual + sent == x`` bit for bit for any float32 in float16's range, normal, subnormal
+    in float16 or below its smallest subnormal (scaled by ``2**exponent``)."""
+    x = torch.tensor(values, dtype=torch.float32) * 2.0 ** exponent
+    p = torch.nn.Parameter(torch.zeros_like(x))
+    buf = FusionBuffer(0, ["p"], [p], "ahead")
+    wire = round_to_half(buf, Filling([x.clone()]))
+    assert wire.dtype == torch.float16 and torch.equal(wire, x.half())
+    assert torch.equal(buf.flat + wire.float(), x)
