@@ -353,9 +353,9 @@ class Controller:
         density = self.density_at(self.steps)
         rescale = self.loss_scale.begin(rescales=not (self.compressor.dense and self.momentum is None))
         regimes = self.regimes
-        half = regimes is not None and regimes.critical and regimes.half and not self.plan.dense
+        as_half = regimes is not None and regimes.critical and regimes.half and not self.plan.dense
         self.mode = StepMode(dense=self.compressor.dense or self.plan.dense or density >= 1.0,
-                             density=density, rescale=rescale, step=self.steps, half=half)
+                             density=density, rescale=rescale, step=self.steps, half=as_half)
 
     def reset_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers

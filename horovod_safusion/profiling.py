@@ -12,10 +12,10 @@ message size, all ranks in lockstep; under ``communicator="auto"`` each communic
 choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
 for planners that choose one; under ``density="auto"`` the compressor at each candidate
 density, :mod:`horovod_safusion.density`; under critical regimes a float16 dense allreduce beside
-the float32 one, :mod:`horovod_safusion.regime`). The communicator is timed by a sweep, not inside the
-training step: Horovod reports no completion time for an asynchronous collective, and waiting for
-one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on one rank
-only). Measurements are reduced across ranks — back-propagation and compression times by the
+the float32 one, :mod:`horovod_safusion.regime`). The communicator is timed by a sweep, not
+inside the training step: Horovod reports no completion time for an asynchronous collective, and
+waiting for one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on
+one rank only). Measurements are reduced across ranks — back-propagation and compression times by the
 element-wise maximum (the slowest rank sets the pace), collective times by the minimum (the last
 rank to arrive sees the collective's own duration, the others also their wait for it); message
 sizes are the same on every rank by construction. Each buffer's fixed work on the training thread
@@ -311,7 +311,6 @@ class OnlineProfiler:
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps})
 
-
     def _time_wires(self, tensors: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
                     dense: tuple[list[float], list[float]] | None) -> tuple[float, list[float]]:
         """A critical step's two wires timed (:mod:`~horovod_safusion.regime`): one dense allreduce
@@ -329,7 +328,7 @@ class OnlineProfiler:
         each (the same on every rank); rank 0 says what was chosen."""
         wire = "float16, rounding error kept" if regimes.choose_wire(float32_s, float16_s) else "float32"
         announce(f"critical steps go as {wire} (a dense allreduce of {nbytes / 1e6:.2f} MB: "
-                     f"{float32_s * 1e3:.1f} ms in float32, {float16_s * 1e3:.1f} ms in float16)")
+                 f"{float32_s * 1e3:.1f} ms in float32, {float16_s * 1e3:.1f} ms in float16)")
 
     def _buffer_cost(self, controller: Controller, suffix: float) -> tuple[float, float]:
         """The fixed work per buffer (:attr:`Profile.buffer_cost`) from the profiled steps: the

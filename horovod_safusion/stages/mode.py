@@ -5,8 +5,8 @@ choice made (SAFusion planner, ``dense=``), and for a step of DGC's density warm
 (Lin et al., DGC §3.3); then every buffer is reduced in place with Horovod's allreduce. On a
 sparse step, the buffers of small tensors (:func:`~horovod_safusion.plan.send_small_dense`) still
 go dense. A critical step (:mod:`horovod_safusion.regime`) may travel as float16 with its
-rounding error kept (:mod:`.half`). The step's density is an argument of every selection: no stage writes it into the
-compressor.
+rounding error kept (:mod:`.half`). The step's density is an argument of every selection: no
+stage writes it into the compressor.
 """
 from __future__ import annotations
 
