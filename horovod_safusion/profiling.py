@@ -10,7 +10,8 @@ point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one
 size, locally, on a copy of the compressor) and the active communicator (one collective of each
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
 choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
-for planners that choose one; under ``density="auto"`` the compressor at each candidate
+for planners that choose one, a contender slower than the best at its largest message not swept
+further, :func:`~horovod_safusion.sweeps.communicator_sweeps`; under ``density="auto"`` the compressor at each candidate
 density, :mod:`horovod_safusion.density`; under critical regimes a float16 dense allreduce beside
 the float32 one, :mod:`horovod_safusion.regime`). The communicator is timed by a sweep, not
 inside the training step: Horovod reports no completion time for an asynchronous collective, and
@@ -22,7 +23,8 @@ sizes are the same on every rank by construction. Each buffer's fixed work on th
 (starting its collective, decoding its result) is fitted from the profiled steps' spans
 (:func:`fixed_cost`) and priced per buffer (:attr:`~horovod_safusion.fusion.Profile.buffer_cost`). So every rank builds the same
 :class:`~horovod_safusion.fusion.Profile` and hence the same plan, and all switch at the same step.
-Residuals are per parameter, so nothing is lost across the switch. ``replan_every=R`` re-profiles
+Residuals are per parameter, so nothing is lost across the switch. What the sweeps cost the job
+is in the profile's ``meta["sweeps_s"]`` (the slowest rank's seconds per sweep), and rank 0 says it. ``replan_every=R`` re-profiles
 (on the current plan) every R steps.
 
 Timestamps come from :class:`~horovod_safusion.clock.Clock`: ``time.perf_counter`` on CPU, CUDA
@@ -32,6 +34,7 @@ time).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any, Sequence
 
 import numpy as np
@@ -231,6 +234,7 @@ class OnlineProfiler:
         self._last_end = now
         if len(self._samples) == self.profile_steps:
             self.profile = self.build_profile(controller)
+            announce_sweeps(self.profile.meta)
             plan = self.planner.plan(self.tensors, self.profile)
             controller.switch_plan(plan)
             self.trial = trial.start(plan)
@@ -256,31 +260,35 @@ class OnlineProfiler:
         comp = controller.compressor
         comm = controller.communicator
         numels = [t.numel for t in tensors]
+        took: dict[str, float] = {}  # each sweep's seconds, for meta["sweeps_s"] (the slowest rank's)
+        timed = sweeps.Stopwatch(took)
         source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
-        cp_sizes, cp_secs, per_segment = sweeps.compression_sweep(comp, numels, source, controller.target_density)
+        cp_sizes, cp_secs, per_segment = timed(
+            "compression", lambda: sweeps.compression_sweep(comp, numels, source, controller.target_density))
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
         linked = not comp.dense and not comm.dense and process_set.size() > 1
         candidates = controller.densities if linked and self.planner.chooses_density else ()
-        at_density = [sweeps.compression_sweep(comp, numels, source, d) for d in candidates]
+        at_density = timed("densities", lambda: [sweeps.compression_sweep(comp, numels, source, d)
+                                                 for d in candidates]) if candidates else []
         del source
         chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1
         choices = contenders(controller.communicators, process_set.size(), comm.name) if chooses else {comm.name: comm}
         # the message sizes of the densest candidate: the curves price every candidate's messages
-        swept = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
-                                           dtype, device)
+        swept, pruned = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
+                                                   dtype, device, comm.name, process_set, timed)
         priced = linked and self.planner.prices_dense
-        dense_bytes, dense_secs = (sweeps.dense_allreduce_sweep(comm.compression, tensors, dtype, device, process_set)
-                                   if priced else ([], []))
+        dense_bytes, dense_secs = timed("dense_allreduce", lambda: sweeps.dense_allreduce_sweep(
+            comm.compression, tensors, dtype, device, process_set)) if priced else ([], [])
         regimes = controller.regimes
         weighs_half = linked and regimes is not None and comm.compression is hvd.Compression.none \
             and dtype == torch.float32
-        wire_bytes, wires = (self._time_wires(tensors, dtype, device, (dense_bytes, dense_secs) if priced else None)
-                             if weighs_half else (0.0, []))
+        wire_bytes, wires = timed("wires", lambda: self._time_wires(
+            tensors, dtype, device, (dense_bytes, dense_secs) if priced else None)) if weighs_half else (0.0, [])
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
         # each step's phases and each selection's time are the slowest rank's
         slowest = reduce_by_name({"ready": ready, "prefix": [prefix], "suffix": [suffix], "segment_cost": [per_segment],
-                                  "buffer_cost": [buffer_cost],
+                                  "buffer_cost": [buffer_cost], "sweeps_s": list(took.values()),
                                   "compress": cp_secs,
                                   **{f"compress@{d}": secs for d, (_, secs, _) in zip(candidates, at_density)},
                                   **{f"segment_cost@{d}": [seg] for d, (_, _, seg) in zip(candidates, at_density)}},
@@ -309,7 +317,9 @@ class OnlineProfiler:
             dense_allreduce=CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None,
             communicators=curves if chooses else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
-                  "profiled_plan": controller.plan.planner, "step": self.steps})
+                  "profiled_plan": controller.plan.planner, "step": self.steps,
+                  "sweeps_s": {k: round(v, 4) for k, v in zip(took, slowest["sweeps_s"])},
+                  "pruned": {name: asdict(p) for name, p in pruned.items()}})
 
     def _time_wires(self, tensors: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
                     dense: tuple[list[float], list[float]] | None) -> tuple[float, list[float]]:
@@ -344,6 +354,17 @@ class OnlineProfiler:
             intercepts.append(fixed_cost([nbytes[i] for i in spans], list(spans.values())))
         after = float(np.median([x["suffix"] - sum(x["decode"].values()) for x in s]))
         return sum(intercepts), max(after, suffix - len(nbytes) * intercepts[1])
+
+
+def announce_sweeps(meta: dict) -> None:
+    """Rank 0 says what the profile's sweeps cost (``meta["sweeps_s"]``) and which contenders
+    were not priced past their largest message (``meta["pruned"]``)."""
+    took = meta["sweeps_s"]
+    announce(f"profile's sweeps took {sum(took.values()):.2f} s ("
+             + ", ".join(f"{name} {s:.2f}" for name, s in took.items()) + ")")
+    for name, p in meta["pruned"].items():
+        announce(f"{name} not priced further: {p['seconds'] * 1e3:.1f} ms for a message of "
+                 f"{p['nbytes'] / 1e3:.1f} kB, against {p['best_seconds'] * 1e3:.1f} ms over {p['best']}")
 
 
 def reduce_by_name(records: dict[str, list[float]], op: int, name: str, process_set: Any) -> dict[str, list[float]]:

@@ -10,7 +10,9 @@ the controller.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +35,27 @@ COMMUNICATION_POINTS = 8
 #: beyond (they cost latency + bytes / bandwidth), so that pricing a large model on a slow link
 #: takes seconds, not minutes, and the sweep's messages stay small next to the model.
 SWEEP_BYTES = 4 << 20
+#: A contender slower than this many times the best communicator's time at its largest message is
+#: not swept further (:func:`communicator_sweeps`): near the best, its whole curve decides.
+PRUNE_MARGIN = 1.25
+
+T = TypeVar("T")
+
+
+class Stopwatch:
+    """The wall seconds of named pieces of the profile's work, added into ``took`` (by name): what
+    the profile itself costs the job, for :attr:`~horovod_safusion.fusion.Profile.meta` and for
+    the user reading rank 0's announcements."""
+
+    def __init__(self, took: dict[str, float]) -> None:
+        self.took = took
+
+    def __call__(self, name: str, work: Callable[[], T]) -> T:
+        start = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.took[name] = self.took.get(name, 0.0) + time.perf_counter() - start
 
 
 def sizes(lo: int, hi: int, points: int = SWEEP_POINTS) -> list[int]:
@@ -98,10 +121,27 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
     return [n * element for n in swept], seconds, per_segment
 
 
+def message_counts(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
+                   dtype: torch.dtype) -> tuple[list[int], int, bool]:
+    """The message sizes a sweep of ``communicator`` times, in elements offered by one rank
+    (ascending): up to what the job's ``tensors`` send at ``density`` or :data:`SWEEP_BYTES`,
+    whichever is smaller; the bytes of one element on the wire (value, and index where sparse);
+    and whether :data:`SWEEP_BYTES` cut the range short of the job's own largest message."""
+    total = sum(t.numel for t in tensors)
+    dense = communicator.dense
+    element = torch.empty((), dtype=dtype).element_size()
+    row = element if dense else communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
+    job = total if dense else max(1, int(1.5 * density * total) + len(tensors))
+    # up to SWEEP_BYTES offered; the cost curve extrapolates beyond (latency + bytes / bandwidth)
+    most = min(job, max(1, SWEEP_BYTES // row))
+    return sizes(1, most, COMMUNICATION_POINTS), row, most < job
+
+
 def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
-                        dtype: torch.dtype, device: torch.device, reps: int = 2) -> tuple[list[float], list[float]]:
-    """Seconds of one collective of ``communicator`` for swept message sizes, up to what the
-    job's ``tensors`` send at ``density`` or :data:`SWEEP_BYTES`, whichever is smaller (a
+                        dtype: torch.dtype, device: torch.device, reps: int = 2,
+                        points: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
+    """Seconds of one collective of ``communicator`` for swept message sizes
+    (:func:`message_counts`; ``points``: only those positions of its list, default all) (a
     collective: every rank of its process set). The collectives have no target: what they deliver
     is not added anywhere (the steps' decoding is measured in the profiled steps themselves), so
     the sweep holds no buffer of the model's size.
@@ -111,16 +151,13 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     wire row (value + index). That is not what the protocol puts on the wire (SparDL's rounds,
     ZEN's partitions send more or less than the selection), which is the point: curves of
     different communicators answer the same question, what a buffer of this selection costs."""
-    total = sum(t.numel for t in tensors)
+    counts, row, _ = message_counts(communicator, tensors, density, dtype)
     dense = communicator.dense
-    element = torch.empty((), dtype=dtype).element_size()
-    row = element if dense else communicator.compression.compress(torch.zeros(1, dtype=dtype))[0].element_size() + 4
-    # up to SWEEP_BYTES offered; the cost curve extrapolates beyond (latency + bytes / bandwidth)
-    most = min(total if dense else max(1, int(1.5 * density * total) + len(tensors)), max(1, SWEEP_BYTES // row))
     clock = Clock(device)
     rank = communicator.process_set.rank()
     nbytes, seconds = [], []
-    for j, count in enumerate(sizes(1, most, COMMUNICATION_POINTS)):
+    for j in range(len(counts)) if points is None else points:
+        count = counts[j]
         numel = count if dense or density >= 1.0 else max(count, int(count / density))
         values = torch.randn(count, dtype=dtype, device=device)
         stride = numel // count
@@ -140,11 +177,58 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     return nbytes, seconds
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """A contender not swept past its largest message, where it was slower than the best swept
+    communicator (the fastest rank's seconds of each, for ``nbytes`` offered)."""
+    seconds: float
+    best: str
+    best_seconds: float
+    nbytes: float
+
+
 def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequence[TensorInfo], density: float,
-                        dtype: torch.dtype, device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
-    """:func:`communication_sweep` of each of ``communicators`` in turn, by name (a collective:
-    every rank sweeps the same communicators in the same order)."""
-    return {name: communication_sweep(comm, tensors, density, dtype, device) for name, comm in communicators.items()}
+                        dtype: torch.dtype, device: torch.device, first: str, process_set: Any,
+                        timed: Stopwatch | None = None
+                        ) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, Pruned]]:
+    """:func:`communication_sweep` of each of ``communicators`` (a collective: every rank sweeps
+    the same communicators in the same order, and prunes the same ones), ``first`` in full; each
+    one's seconds into ``timed`` as ``communicate:<name>``.
+
+    Every other contender is timed at its largest message first, and not swept further where it
+    took more than :data:`PRUNE_MARGIN` times the best time there, and that message is the job's
+    own largest (not cut short by :data:`SWEEP_BYTES`). The contenders (SparDL, ZEN) run in more
+    rounds than the allgather, so their latency is higher and their edge is in volume: largest at
+    the largest message, so a contender that loses there loses at every smaller size. Times are
+    the fastest rank's, as the profile's (the same decision on every rank). Returns the swept
+    curves and the pruned contenders."""
+    timed = timed or Stopwatch({})
+    order = [first] + [name for name in communicators if name != first]
+    swept: dict[str, tuple[list[float], list[float]]] = {}
+    pruned: dict[str, Pruned] = {}
+    for name in order:
+        comm = communicators[name]
+        counts, _, cut = message_counts(comm, tensors, density, dtype)
+        if name == first or cut:
+            swept[name] = timed(f"communicate:{name}",
+                                lambda: communication_sweep(comm, tensors, density, dtype, device))
+            continue
+        top = len(counts) - 1
+        nbytes, secs = timed(f"communicate:{name}",
+                             lambda: communication_sweep(comm, tensors, density, dtype, device, points=[top]))
+        # the best so far at the same message (swept curves of the same density share their sizes)
+        best = min((n for n in swept if swept[n][0][-1] == nbytes[-1]), key=lambda n: swept[n][1][-1], default=None)
+        mine, theirs = hvd.allreduce(torch.tensor([secs[-1], swept[best][1][-1] if best else np.inf],
+                                                  dtype=torch.float64),
+                                     op=hvd.Min, name=collective(f"saf.sweep.prune.{name}"),
+                                     process_set=process_set).tolist()
+        if best is not None and mine > PRUNE_MARGIN * theirs:
+            pruned[name] = Pruned(mine, best, theirs, nbytes[-1])
+            continue
+        rest_bytes, rest_secs = timed(f"communicate:{name}", lambda: communication_sweep(
+            comm, tensors, density, dtype, device, points=range(top)))
+        swept[name] = (rest_bytes + nbytes, rest_secs + secs)
+    return {name: swept[name] for name in communicators if name in swept}, pruned
 
 
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,

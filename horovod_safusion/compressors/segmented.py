@@ -605,5 +605,6 @@ def warm_up() -> None:
                                scratch, 1)
         kernels.select_top(x, ks, scratch)
         kernels.kth_largest(x, offsets, sizes, ks)
-        kernels.kth_largest(x, offsets, sizes, ks, idx=np.arange(10, dtype=scratch.dtype))
+        for positions in (scratch.dtype, np.int64):  # a selection's indices; DGC's sample positions
+            kernels.kth_largest(x, offsets, sizes, ks, idx=np.arange(10, dtype=positions))
         kernels.exceedance_moments(x, np.arange(2), np.zeros(2), True)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from launch import horovodrun, run as run_horovodrun
+from horovod_safusion import sweeps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"gloo-2": ("--gloo", 2), "mpi-2": ("--mpi", 2), "gloo-3": ("--gloo", 3)}
@@ -225,9 +226,15 @@ def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
         assert r["auto"]["priced"] and r["auto"]["trial_done"] and r["auto"]["replicas_equal"], r["auto"]
         assert r["auto"]["dense"] == recs[0]["auto"]["dense"]
         # communicator="auto": every communicator that can win priced (with two workers the allgather
-        # alone, communicators.base.contenders), one chosen on every rank alike
+        # alone, communicators.base.contenders), or pruned at its largest message where it was
+        # slower than the allgather by the margin (sweeps.communicator_sweeps); the same on every
+        # rank, and one chosen on every rank alike
         can_win = ["allgather"] if len(recs) == 2 else ["allgather", "zen"]
-        assert r["auto"]["communicators"] == can_win, r["auto"]
+        pruned = r["auto"]["pruned"]
+        assert sorted(r["auto"]["communicators"] + list(pruned)) == can_win, r["auto"]
+        assert pruned == recs[0]["auto"]["pruned"]
+        for p in pruned.values():
+            assert p["best"] == "allgather" and p["seconds"] > sweeps.PRUNE_MARGIN * p["best_seconds"], pruned
         assert r["auto"]["plan_communicator"] in r["auto"]["communicators"] or r["auto"]["dense"], r["auto"]
         assert r["auto"]["plan_communicator"] == recs[0]["auto"]["plan_communicator"]
         assert r["auto"]["sends_over"] == r["auto"]["plan_communicator"] or r["auto"]["dense"], r["auto"]

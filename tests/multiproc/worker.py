@@ -105,7 +105,8 @@ def scenario_dense_choice():
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
     out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled,
                    "priced": opt.profile.dense_allreduce is not None,
-                   "communicators": sorted(opt.profile.communicators), "plan_communicator": opt.plan.communicator,
+                   "communicators": sorted(opt.profile.communicators), "pruned": opt.profile.meta["pruned"],
+                   "plan_communicator": opt.plan.communicator,
                    "sends_over": opt.communicator.name,
                    "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
     # every communicator "auto" may choose, switched to between steps on every rank alike

@@ -159,3 +159,45 @@ def test_a_checkpoint_naming_a_communicator_this_optimizer_does_not_hold_keeps_t
     assert opt2.communicator.name == "allgather" and opt2.plan.communicator is None
     assert opt2.plan.buffers == opt.plan.buffers
     train(m2, opt2, 2, first=4)
+
+
+def pruning_sweeps(hvd, monkeypatch, margin: float, sweep_bytes: int | None = None):
+    """The profile's communicator sweeps of a small job over ``AUTO_SPARSE`` (a real one-worker
+    Horovod), the allgather first, with ``sweeps.PRUNE_MARGIN = margin``."""
+    from horovod_safusion import sweeps
+    from horovod_safusion.communicators.base import make_communicators
+    from horovod_safusion.plan import TensorInfo
+
+    monkeypatch.setattr(sweeps, "PRUNE_MARGIN", margin)
+    if sweep_bytes is not None:
+        monkeypatch.setattr(sweeps, "SWEEP_BYTES", sweep_bytes)
+    comms = make_communicators("auto", False, hvd.global_process_set, hvd.Compression.none)
+    for c in comms.values():
+        c.setup(None)
+    tensors = [TensorInfo(f"t{i}", n, 4, "torch.float32:cpu") for i, n in enumerate((5_000, 20_000, 300))]
+    took = {}
+    swept, pruned = sweeps.communicator_sweeps(comms, tensors, 0.03, torch.float32, torch.device("cpu"),
+                                               "allgather", hvd.global_process_set, sweeps.Stopwatch(took))
+    counts, _, _ = sweeps.message_counts(comms["allgather"], tensors, 0.03, torch.float32)
+    return swept, pruned, took, len(counts)
+
+
+def test_a_contender_slower_at_the_largest_message_is_not_swept_further(hvd, monkeypatch):
+    swept, pruned, took, points = pruning_sweeps(hvd, monkeypatch, margin=0.0)
+    assert list(swept) == ["allgather"] and len(swept["allgather"][0]) == points
+    assert list(pruned) == ["zen"]
+    p = pruned["zen"]
+    assert p.best == "allgather" and p.nbytes == swept["allgather"][0][-1] and p.seconds > 0
+    assert set(took) == {"communicate:allgather", "communicate:zen"}
+
+
+def test_a_contender_within_the_margin_is_swept_in_full_in_ascending_sizes(hvd, monkeypatch):
+    swept, pruned, _, points = pruning_sweeps(hvd, monkeypatch, margin=float("inf"))
+    assert pruned == {} and list(swept) == ["allgather", "zen"]
+    assert swept["zen"][0] == swept["allgather"][0] and len(swept["zen"][1]) == points
+
+
+def test_a_contender_is_not_pruned_where_the_sweep_stops_short_of_the_jobs_largest_message(hvd, monkeypatch):
+    # beyond SWEEP_BYTES the curves are extrapolated: a contender's slope could still win there
+    swept, pruned, _, _ = pruning_sweeps(hvd, monkeypatch, margin=0.0, sweep_bytes=1024)
+    assert pruned == {} and list(swept) == ["allgather", "zen"]

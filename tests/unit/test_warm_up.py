@@ -1,0 +1,44 @@
+"""The install's kernel warm-up (``compressors.segmented.warm_up``, ``kernels.host.warm_up``) covers
+every compiled kernel signature that a compressor's selection uses on the host, so that a job on a
+fresh install does not compile during training (seconds per missing signature, paid by each
+worker at its first sparse step or in the profile's compression sweep).
+
+It runs in a fresh interpreter: signatures that earlier tests compiled in this process would hide
+a missing one."""
+import json
+import os
+import subprocess
+import sys
+
+PROBE = """
+import json, numba, numpy as np, torch
+from horovod_safusion import sweeps
+from horovod_safusion.compressors import available_compressors, make_compressor, segmented
+from horovod_safusion.kernels import host
+
+def signatures():
+    return {f"{m.__name__}.{name}": sorted(map(str, f.signatures)) for m in (segmented, host)
+            for name, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
+
+segmented.warm_up()
+host.warm_up()
+before = signatures()
+# segments small, exact and sampled (DGC samples segments above 16 times its sample's size)
+segments = (40, 3000, 70000)
+for dtype in (torch.float32, torch.float64):
+    source = torch.randn(sum(segments), dtype=dtype, generator=torch.Generator().manual_seed(0))
+    for name in set(available_compressors()) - {"none"}:
+        for density in (0.001, 0.03, 0.3):
+            sweeps.time_compression(make_compressor(name, density), source, segments, steps=12)
+after = signatures()
+print(json.dumps({k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()
+                  if set(v) - set(before.get(k, []))}))
+"""
+
+
+def test_warm_up_covers_every_selection_signature():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, 
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert out.returncode == 0, out.stderr
+    compiled_in_use = json.loads(out.stdout.strip().splitlines()[-1])
+    assert compiled_in_use == {}, f"signatures the warm-up left to the first job: {compiled_in_use}"
