@@ -11,9 +11,11 @@ size, locally, on a copy of the compressor) and the active communicator (one col
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
 choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
 for planners that choose one, a contender slower than the best at its largest message not swept
-further, :func:`~horovod_safusion.sweeps.communicator_sweeps`; under ``density="auto"`` the compressor at each candidate
-density, :mod:`horovod_safusion.density`; under critical regimes a float16 dense allreduce beside
-the float32 one, :mod:`horovod_safusion.regime`). The communicator is timed by a sweep, not
+further, :func:`~horovod_safusion.sweeps.communicator_sweeps`; under ``density="auto"`` the
+compressor at each candidate density, :mod:`horovod_safusion.density`). Under critical regimes,
+before the first profiled step, one dense allreduce in float32 and in float16 chooses the critical
+steps' wire (:mod:`horovod_safusion.regime`), so that the critical steps during the profile gain
+from it too. The communicator is timed by a sweep, not
 inside the training step: Horovod reports no completion time for an asynchronous collective, and
 waiting for one inside a gradient hook deadlocks ranks whose graphs differ (a parameter used on
 one rank only). Measurements are reduced across ranks — back-propagation and compression times by the
@@ -34,6 +36,7 @@ time).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from typing import Any, Sequence
 
@@ -153,6 +156,9 @@ class OnlineProfiler:
         self.trial: trial.PlanTrial | None = None  # two plans measured against each other
         self._last_end: Any = None
         self._watching: ProfiledStep | None = None  # the step being profiled
+        #: a critical step's wire as timed before the first profiled step: the bytes, float32's
+        #: and float16's seconds (the fastest rank's) and what timing them took (this rank's)
+        self._wire: tuple[float, float, float, float] | None = None
 
     @property
     def active(self) -> bool:
@@ -173,7 +179,7 @@ class OnlineProfiler:
         a change of world size, whose costs differ. Every rank must restart at the same step."""
         if not self.planner.needs_profile:
             return
-        self.profile, self._samples = None, []
+        self.profile, self._samples, self._wire = None, [], None
         self._record_from = self.steps + self.settle_steps
 
     def add(self, tensors: Sequence[TensorInfo], dtypes: dict[str, torch.dtype]) -> None:
@@ -241,6 +247,9 @@ class OnlineProfiler:
             self._samples = []
             self._record_from = self.steps + self.replan_every - self.profile_steps if self.replan_every else None
         if self._record_from is not None and self.steps >= self._record_from:
+            if self.profile is None and self._wire is None and self._weighs_half(controller):
+                self._wire = self._time_wires(controller)
+                now = self._last_end = clock.mark()  # the next step starts after the timing
             self._watching = ProfiledStep(clock, now)
             controller.observe(self._watching)
 
@@ -277,13 +286,12 @@ class OnlineProfiler:
         swept, pruned = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
                                                    dtype, device, comm.name, process_set, timed)
         priced = linked and self.planner.prices_dense
+        # the largest size's float32 time is the wire's, where that was timed (the same compression)
+        known = self._wire[1] if self._wire is not None else None
         dense_bytes, dense_secs = timed("dense_allreduce", lambda: sweeps.dense_allreduce_sweep(
-            comm.compression, tensors, dtype, device, process_set)) if priced else ([], [])
-        regimes = controller.regimes
-        weighs_half = linked and regimes is not None and comm.compression is hvd.Compression.none \
-            and dtype == torch.float32
-        wire_bytes, wires = timed("wires", lambda: self._time_wires(
-            tensors, dtype, device, (dense_bytes, dense_secs) if priced else None)) if weighs_half else (0.0, [])
+            comm.compression, tensors, dtype, device, process_set, largest_s=known)) if priced else ([], [])
+        if self._wire is not None and self.profile is None:  # (a first profile: what it cost)
+            took["wires"] = self._wire[3]
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
 
         # each step's phases and each selection's time are the slowest rank's
@@ -296,10 +304,8 @@ class OnlineProfiler:
         # a message's size is the same on every rank (sweeps.communication_sweep); its time is
         # the fastest rank's, the one that did not wait for the others to arrive
         fastest = reduce_by_name({**{f"communicate:{name}": secs for name, (_, secs) in swept.items()},
-                                  "dense_allreduce": dense_secs, "wires": wires},
+                                  "dense_allreduce": dense_secs},
                                  hvd.Min, "saf.profile.min", process_set)
-        if weighs_half:
-            self.choose_critical_wire(regimes, *fastest["wires"], wire_bytes)
         curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
         ready, cp_secs = slowest["ready"], slowest["compress"]
         prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
@@ -321,16 +327,31 @@ class OnlineProfiler:
                   "sweeps_s": {k: round(v, 4) for k, v in zip(took, slowest["sweeps_s"])},
                   "pruned": {name: asdict(p) for name, p in pruned.items()}})
 
-    def _time_wires(self, tensors: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
-                    dense: tuple[list[float], list[float]] | None) -> tuple[float, list[float]]:
-        """A critical step's two wires timed (:mod:`~horovod_safusion.regime`): one dense allreduce
-        of the largest size swept, in float32 (the ``dense`` sweep's last, where the planner
-        prices dense) and in float16 (collectives). Returns the size's bytes and the two times."""
-        ps = self.process_set
-        nbytes, secs = dense if dense is not None else sweeps.dense_allreduce_sweep(
-            hvd.Compression.none, tensors, dtype, device, ps, largest=True)
-        _, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, tensors, dtype, device, ps, largest=True)
-        return nbytes[-1], [secs[-1], half[0]]
+    def _weighs_half(self, controller: Controller) -> bool:
+        """Whether this job chooses its critical steps' wire (:mod:`~horovod_safusion.regime`): it
+        sparsifies across workers under critical regimes, with no wire compression of its own,
+        and its largest tensor is float32."""
+        comp, comm = controller.compressor, controller.communicator
+        largest = max(self.tensors, key=lambda t: t.numel)
+        return not comp.dense and not comm.dense and self.process_set.size() > 1 \
+            and controller.regimes is not None and comm.compression is hvd.Compression.none \
+            and self.dtypes[largest.name] == torch.float32
+
+    def _time_wires(self, controller: Controller) -> tuple[float, float, float, float]:
+        """A critical step's two wires timed and chosen, before the first profiled step, so that
+        the critical steps before the profile go as float16 too where that pays: one dense
+        allreduce of the dense sweep's largest size in float32 and in float16 (collectives), the
+        fastest rank's times (:meth:`choose_critical_wire`). Returns the bytes, the two times and
+        this rank's seconds spent; the profile's dense sweep takes float32's time as its own
+        largest point rather than timing it again."""
+        ps, device = self.process_set, controller.device
+        dtype = torch.float32
+        start = time.perf_counter()
+        nbytes, full = sweeps.dense_allreduce_sweep(hvd.Compression.none, self.tensors, dtype, device, ps, largest=True)
+        _, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, self.tensors, dtype, device, ps, largest=True)
+        float32_s, float16_s = reduce_by_name({"wires": [full[0], half[0]]}, hvd.Min, "saf.profile.wires", ps)["wires"]
+        self.choose_critical_wire(controller.regimes, float32_s, float16_s, nbytes[0])
+        return nbytes[0], float32_s, float16_s, time.perf_counter() - start
 
     @staticmethod
     def choose_critical_wire(regimes: CriticalRegimes, float32_s: float, float16_s: float, nbytes: float) -> None:

@@ -34,8 +34,9 @@ A step that some rank could not send whole (non-finite values; the user skips it
 and most of the time a critical interval saves is spent on it. Like Horovod's
 ``Compression.fp16``, a critical step may then travel as float16, which halves its bytes; unlike
 it, the rounding error stays in the residual (:mod:`horovod_safusion.stages.half`), so error
-feedback loses nothing and the next steps send it. The profile decides, by measurement: its sweep
-times a dense allreduce of the same size in float32 and in float16, and the critical steps go as
+feedback loses nothing and the next steps send it. The profiler decides, by measurement, before its first profiled step (so
+that the critical steps while it profiles gain too): it times a dense allreduce of the same size
+in float32 and in float16, and the critical steps go as
 float16 where that measured at most :data:`HALF_MARGIN` of float32's time (:meth:`choose_wire`;
 float16 costs conversions, which a fast link does not repay). A float16 aggregate that overflows
 is sent again in float32, and the job's critical steps stay in float32 from then on
@@ -74,7 +75,7 @@ class CriticalRegimes:
         self.previous: float | None = None  # the last complete interval's norm
         self._squares: torch.Tensor | float = 0.0  # the interval's sum of squared norms so far
         self._counted = 0
-        self.half = False  # critical steps travel as float16 (chosen by the profile, :meth:`choose_wire`)
+        self.half = False  # critical steps travel as float16 (chosen by the profiler, :meth:`choose_wire`)
         self.overflowed = False  # a float16 aggregate overflowed: float32 from then on
 
     def observe(self, grads: list[torch.Tensor]) -> None:
@@ -95,7 +96,7 @@ class CriticalRegimes:
 
     def choose_wire(self, float32_s: float, float16_s: float) -> bool:
         """Send critical steps as float16 if a dense allreduce of the same buffer measured at most
-        :data:`HALF_MARGIN` of float32's seconds (times every rank shares: the profile's); never
+        :data:`HALF_MARGIN` of float32's seconds (times every rank shares: the profiler's); never
         again after an overflow. Returns the choice."""
         self.half = not self.overflowed and float16_s <= HALF_MARGIN * float32_s
         return self.half

@@ -233,19 +233,26 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
                           device: torch.device, process_set: Any, reps: int = 2,
-                          largest: bool = False) -> tuple[list[float], list[float]]:
+                          largest: bool = False, largest_s: float | None = None) -> tuple[list[float], list[float]]:
     """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
     sizes up to the model's gradient bytes or :data:`SWEEP_BYTES`, whichever is smaller
     (a collective): the price of sending dense, for the planner's dense choice. ``largest``: that
-    largest size alone (how a critical step's wire is chosen, :mod:`~horovod_safusion.regime`).
-    Sizes are the uncompressed buffer's bytes."""
+    largest size alone (how a critical step's wire is chosen, :mod:`~horovod_safusion.regime`);
+    ``largest_s``: that size's seconds, timed already (with the same compression), not timed
+    again. Sizes are the uncompressed buffer's bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
     nbytes, seconds = [], []
     counts = sizes(1024, min(total, SWEEP_BYTES // element), COMMUNICATION_POINTS)
-    tag = "half" if largest else "dense"
-    for j, count in enumerate(counts[-1:] if largest else counts):
+    # a name per wire: Horovod's response cache keys a collective by name
+    tag = f"{'largest' if largest else 'dense'}.{getattr(compression, '__name__', 'wire')}"
+    swept = counts[-1:] if largest else counts
+    for j, count in enumerate(swept):
+        if largest_s is not None and j == len(swept) - 1:
+            nbytes.append(float(count * element))
+            seconds.append(largest_s)
+            continue
         dense = torch.randn(count, dtype=dtype, device=device)
         times = []
         for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted

@@ -204,6 +204,22 @@ def test_generator_builds_identical_plans_from_different_local_timings(job):
     assert recs[1]["local_backward"] > recs[0]["local_backward"] + 0.025
 
 
+def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job):
+    from horovod_safusion.regime import HALF_MARGIN
+
+    recs = per_rank(job, "wire_before_profile")
+    for r in recs:
+        assert r["chosen_at"] == 0  # at the end of the settle step, before the first profiled step
+        assert r["wire"] == recs[0]["wire"] and r["half"] == recs[0]["half"]  # the fastest rank's times
+        nbytes, float32_s, float16_s = r["wire"]
+        assert r["half"] == (float16_s <= HALF_MARGIN * float32_s)
+        # the first step went float32 (nothing chosen yet); the profiled ones, critical, on the wire
+        assert r["modes"][:3] == [False, r["half"], r["half"]], r
+        # the dense sweep's largest point is the wire's float32 time (monotone curve: at least it)
+        assert r["dense_top"][0] == nbytes and r["dense_top"][1] >= float32_s
+        assert "wires" in r["sweeps"]
+
+
 def test_randomk_selects_the_same_indices_on_every_rank(job):
     for r in per_rank(job, "randomk_shared_indices"):
         assert r["equal"]

@@ -650,6 +650,29 @@ def scenario_generator_alignment():
             "shared_backward": max(opt.profile.ready), "switch_param_diff": diff, "switched_at": switched_at}
 
 
+def scenario_wire_before_profile():
+    """Under critical regimes (on by default) the profiler chooses the critical steps' wire at the
+    end of the step before its first profiled one, on every rank alike; the steps it profiles go on
+    that wire; the profile's dense sweep takes the wire's float32 time as its largest point."""
+    m = make(width=16)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
+                                   profile_steps=2)
+    chosen_at, halves = None, []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(m(x), y).backward()
+        halves.append(opt.controller.mode.half)  # the step's mode, opened by its first gradient
+        opt.step()
+        if chosen_at is None and opt.profiler._wire is not None:
+            chosen_at = step
+    nbytes, float32_s, float16_s, _ = opt.profiler._wire
+    dense = opt.profile.dense_allreduce
+    return {"chosen_at": chosen_at, "half": opt.controller.regimes.half, "wire": [nbytes, float32_s, float16_s],
+            "modes": halves,
+            "dense_top": [dense.sizes[-1], dense.seconds[-1]], "sweeps": sorted(opt.profile.meta["sweeps_s"])}
+
+
 def scenario_randomk_shared_indices():
     """Random-k picks the same positions on every rank, whatever each rank's gradient."""
     from horovod_safusion.compressors import RandomK
