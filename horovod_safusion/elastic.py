@@ -44,21 +44,25 @@ class Membership:
 
     def sync(self, opt: Any) -> None:
         """After a reset (and when training starts), on every worker: drop the step that failed,
-        take rank 0's fusion plan, profiler state, step count and communicator state (a joining
-        worker has none), and profile again if the world size changed. Residuals stay with the
+        take rank 0's fusion plan, profiler state, step count, communicator state and critical
+        regimes (a joining worker has none), and profile again if the world size changed. Residuals stay with the
         worker that holds them, so none is duplicated; those of a worker that died are lost with
         it, as its gradient of the failed step."""
         ctl, profiler, ps = opt._controller, opt._profiler, opt.process_set
         opt._reset_step()
         rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "profiler": profiler.state_dict(), "steps": ctl.steps,
                                       "world_size": self.world_size, "session": session.number(),
-                                      "communicators": {name: c.state_dict() for name, c in ctl.communicators.items()}},
+                                      "communicators": {name: c.state_dict() for name, c in ctl.communicators.items()},
+                                      # critical intervals and their wire: a new worker's own would send other dtypes
+                                      "regimes": ctl.regimes.state_dict() if ctl.regimes is not None else None},
                                      root_rank=0, name="saf.elastic.sync", process_set=ps)
         session.begin(rank0["session"])  # collectives of the failed session may linger in Horovod's queue
         for name, comm in ctl.communicators.items():  # the same on every rank: setup() may run collectives
             comm.load_state_dict(rank0["communicators"][name])
             comm.setup(ctl.compressor)
         profiler.load_state_dict(rank0["profiler"])
+        if ctl.regimes is not None and rank0["regimes"] is not None:
+            ctl.regimes.load_state_dict(rank0["regimes"])
         ctl.steps = rank0["steps"]
         ctl.switch_plan(FusionPlan.from_json(rank0["plan"]))
         if rank0["world_size"] != ps.size():

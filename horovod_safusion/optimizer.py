@@ -46,6 +46,7 @@ from .controller import Controller, StepStats
 from .elastic import Membership
 from .fusion import Planner, Profile
 from .joining import Joining
+from .compressors import loading
 from .momentum import MomentumCorrection, momentum_suspended, to_gradient_scale
 from .options import Options
 from .plan import FusionPlan, check_plan_across_ranks
@@ -91,6 +92,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         parts = assemble(self, options, groups, self._named_trainable, self._parameter_names)
         self._planner, self._profiler, self._controller = parts.planner, parts.profiler, parts.controller
         self._momentum_correction = parts.momentum_correction
+        if not parts.compressor.dense:  # loaded while the first steps, dense, wait for the link
+            loading.load(p.dtype for _, p in self._named_trainable if p.device.type == "cpu")
         self._start(parts.compressor, parts.communicators, make_recorder(options.timeline))
 
     def _start(self, comp: Compressor, comms: dict[str, Communicator], recorder: TimelineRecorder | None) -> None:

@@ -51,6 +51,7 @@ from .clock import Clock
 from .communicators.base import contenders
 from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
+from .compressors import loading
 from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, Observer
 from .plan import FusionPlan, TensorInfo
 from .regime import CriticalRegimes
@@ -271,6 +272,7 @@ class OnlineProfiler:
         numels = [t.numel for t in tensors]
         took: dict[str, float] = {}  # each sweep's seconds, for meta["sweeps_s"] (the slowest rank's)
         timed = sweeps.Stopwatch(took)
+        loading.wait()  # no kernel loading beside the compressor's timing
         source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
         cp_sizes, cp_secs, per_segment = timed(
             "compression", lambda: sweeps.compression_sweep(comp, numels, source, controller.target_density))

@@ -35,6 +35,13 @@ COMMUNICATION_POINTS = 8
 #: beyond (they cost latency + bytes / bandwidth), so that pricing a large model on a slow link
 #: takes seconds, not minutes, and the sweep's messages stay small next to the model.
 SWEEP_BYTES = 4 << 20
+#: A dense allreduce swept whose first run (the warm-up) took at least this long, on the fastest
+#: rank, is timed by one more run instead of ``reps``: its bytes dominate it, so its runs agree
+#: closely, and on a slow link each run costs the job as long again (:func:`time_collective`; the
+#: runs behind the value are in docs/benchmarks.md, "Measurements behind the code's constants").
+#: The sparse communicators keep ``reps`` runs: a protocol of several rounds (ZEN) varied more
+#: from one run to the next, and one run moved which contender the profile prunes.
+ONE_RUN_S = 0.1
 #: A contender slower than this many times the best communicator's time at its largest message is
 #: not swept further (:func:`communicator_sweeps`): near the best, its whole curve decides.
 PRUNE_MARGIN = 1.25
@@ -121,6 +128,28 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
     return [n * element for n in swept], seconds, per_segment
 
 
+def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str | None = None,
+                    process_set: Any = None) -> float:
+    """Median seconds of ``reps`` runs of the collective ``run``, after one that warms Horovod's
+    caches up and is not counted. With ``agree`` (a collective's name), of one run where that
+    warm-up took :data:`ONE_RUN_S` or more on the fastest rank of ``process_set``: the fastest
+    rank's warm-up time is agreed by a small allreduce that goes beside the first counted run, so
+    every rank runs the same collectives."""
+    a = clock.mark()
+    run()
+    warm = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
+    agreed = None if agree is None else hvd.allreduce_async(warm, op=hvd.Min, name=collective(agree),
+                                                            process_set=process_set)
+    times = []
+    for r in range(reps):
+        a = clock.mark()
+        run()
+        times.append(clock.seconds(a, clock.mark()))
+        if r == 0 and agreed is not None and hvd.synchronize(agreed).item() >= ONE_RUN_S:
+            break
+    return float(np.median(times))
+
+
 def message_counts(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
                    dtype: torch.dtype) -> tuple[list[int], int, bool]:
     """The message sizes a sweep of ``communicator`` times, in elements offered by one rank
@@ -165,15 +194,9 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
         # overlaps little at low density, and a protocol that aggregates on the way (SparDL, ZEN)
         # would be priced too cheap on identical ones
         indices = None if dense else torch.arange(count, device=device) * stride + rank % stride
-        times = []
-        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
-            a = clock.mark()
-            pending = communicator.start(Outgoing(f"sweep.{j}", values, indices, numel), Reduction(hvd.Sum))
-            pending.wait()
-            if r:
-                times.append(clock.seconds(a, clock.mark()))
+        outgoing = Outgoing(f"sweep.{j}", values, indices, numel)
         nbytes.append(float(count * row))
-        seconds.append(float(np.median(times)))
+        seconds.append(time_collective(lambda: communicator.start(outgoing, Reduction(hvd.Sum)).wait(), clock, reps))
     return nbytes, seconds
 
 
@@ -254,16 +277,13 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
             seconds.append(largest_s)
             continue
         dense = torch.randn(count, dtype=dtype, device=device)
-        times = []
-        for r in range(reps + 1):  # the first run warms Horovod's caches up and is not counted
-            a = clock.mark()
+
+        def run() -> None:
             sent, ctx = compression.compress(dense)
             wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.{tag}.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
-            if r:
-                times.append(clock.seconds(a, clock.mark()))
         nbytes.append(float(count * element))
-        seconds.append(float(np.median(times)))
+        seconds.append(time_collective(run, clock, reps, f"saf.sweep.agree.{tag}.{j}", process_set))
     return nbytes, seconds
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -585,13 +586,15 @@ class NumbaKernels:
         return torch.from_numpy(idx.astype(np.int64, copy=True))
 
 
-def warm_up() -> None:
-    """Compile every kernel for float32 and float64 now. Numba caches compiled kernels beside this
-    module, so the install does this once and training's first step does not pay for it (compiling
-    takes far longer than a step; docs/benchmarks.md, "Selection kernels", has the time)."""
+def warm_up(dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64)) -> None:
+    """Compile every kernel for ``dtypes`` (default: float32 and float64) now. Numba caches
+    compiled kernels beside this module, so the install does this once and training's first step
+    does not pay for it (compiling takes far longer than a step; docs/benchmarks.md, "Selection
+    kernels", has the time). Where they are cached, this loads them
+    (:mod:`~horovod_safusion.compressors.loading`)."""
     offsets, sizes = np.array([0, 6], dtype=np.int64), np.array([6, 4], dtype=np.int64)
     ks = np.array([2, 1], dtype=np.int64)
-    for dtype in (np.float32, np.float64):
+    for dtype in (torch.empty((), dtype=d).numpy().dtype for d in dtypes):
         x = np.linspace(-1, 1, 10).astype(dtype)
         kernels, scratch = NumbaKernels(offsets, sizes), IndexScratch()
         kernels.abs_stats(x)

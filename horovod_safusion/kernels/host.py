@@ -153,9 +153,10 @@ def scatter_add(targets: Sequence[torch.Tensor], bounds: np.ndarray, indices: to
             at += n
 
 
-def warm_up() -> None:
-    """Compile the kernels for float32 and float64 now (Numba caches them beside this module)."""
-    for dtype in DTYPES:
+def warm_up(dtypes: Sequence[torch.dtype] = DTYPES) -> None:
+    """Compile the kernels for ``dtypes`` (default: float32 and float64) now (Numba caches them
+    beside this module; where they are cached, this loads them)."""
+    for dtype in dtypes:
         x = torch.zeros(4, dtype=dtype)
         fill(x, torch.ones(4, dtype=dtype), x, 0.5)
         fill(x, torch.ones(4, dtype=dtype), None, None, drop=False)

@@ -220,6 +220,13 @@ def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job)
         assert "wires" in r["sweeps"]
 
 
+def test_a_swept_allreduce_runs_once_where_its_warm_up_was_slow_on_the_fastest_rank(job):
+    # a warm-up and 2 counted runs, or a warm-up and 1 where the fastest rank's warm-up took
+    # sweeps.ONE_RUN_S or more; one rank slow alone does not decide, and every rank runs alike
+    for r in per_rank(job, "agreed_repetitions"):
+        assert r == {"all_slow": 2, "one_slow": 3, "none_slow": 3}, r
+
+
 def test_randomk_selects_the_same_indices_on_every_rank(job):
     for r in per_rank(job, "randomk_shared_indices"):
         assert r["equal"]

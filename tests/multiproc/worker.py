@@ -673,6 +673,27 @@ def scenario_wire_before_profile():
             "dense_top": [dense.sizes[-1], dense.seconds[-1]], "sweeps": sorted(opt.profile.meta["sweeps_s"])}
 
 
+def scenario_agreed_repetitions():
+    """A dense allreduce of the profile is timed once where its warm-up was slow on the fastest
+    rank, ``reps`` times otherwise, on every rank alike (the same collectives), whatever each rank
+    measured itself."""
+    from horovod_safusion import sweeps
+    from horovod_safusion.clock import Clock
+
+    counts = {}
+    for case, sleepers in (("all_slow", range(hvd.size())), ("one_slow", [0]), ("none_slow", [])):
+        calls = []
+
+        def run():
+            hvd.allreduce(torch.ones(4), name=f"agreed.{case}.{len(calls)}", op=hvd.Sum)
+            calls.append(1)
+            if hvd.rank() in sleepers:  # after the collective: this rank's own time only
+                time.sleep(2 * sweeps.ONE_RUN_S)
+        sweeps.time_collective(run, Clock(torch.device("cpu")), 2, f"agreed.{case}", hvd.global_process_set)
+        counts[case] = len(calls)
+    return counts
+
+
 def scenario_randomk_shared_indices():
     """Random-k picks the same positions on every rank, whatever each rank's gradient."""
     from horovod_safusion.compressors import RandomK

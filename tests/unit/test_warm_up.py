@@ -42,3 +42,43 @@ def test_warm_up_covers_every_selection_signature():
     assert out.returncode == 0, out.stderr
     compiled_in_use = json.loads(out.stdout.strip().splitlines()[-1])
     assert compiled_in_use == {}, f"signatures the warm-up left to the first job: {compiled_in_use}"
+
+
+LOADING = """
+import json, sys, numba, torch, horovod.torch as hvd
+import horovod_safusion as saf
+from horovod_safusion.compressors import segmented
+from horovod_safusion.compressors import loading
+from horovod_safusion.kernels import host
+
+def signatures():
+    return {f"{m.__name__.rsplit('.', 1)[-1]}.{name}": sorted(map(str, f.signatures)) for m in (segmented, host)
+            for name, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
+
+hvd.init()
+model = torch.nn.Linear(8, 4)
+saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                         compressor=sys.argv[1])
+loading.wait()
+print(json.dumps(signatures()))
+"""
+
+
+def loaded_by_construction(compressor):
+    out = subprocess.run([sys.executable, "-c", LOADING, compressor], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_sparse_optimizer_loads_its_kernels_before_its_first_selection():
+    # DistributedOptimizer starts loading the host kernels of its parameters' dtype (float32) at
+    # construction, on a thread of its own: the first selection does not load them on the training
+    # thread (compressors.loading); a dense one loads none
+    loaded = loaded_by_construction("dgc")
+    for kernel in ("segmented._select", "segmented._kth_largest_at", "host._fill"):
+        assert any("float32" in s for s in loaded[kernel]), (kernel, loaded[kernel])
+    assert loaded["segmented._select_top"] and loaded["host._by_segment"]
+    # not the float64 ones: no kernel loaded for float64 data (its first argument)
+    assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
+    assert not any(loaded_by_construction("none").values())

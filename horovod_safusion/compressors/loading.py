@@ -1,0 +1,48 @@
+"""The host kernels loaded on a thread of their own while the first steps wait for the link.
+
+The install compiles the host kernels once and Numba caches them (``make install``,
+:func:`~horovod_safusion.compressors.segmented.warm_up`), but every worker still loads them from
+that cache the first time it selects. That takes a fraction of a second per process, more where
+workers share cores, and it fell on the training thread in the profile's compression sweep
+(SAFusion §4, "Generator module": the compression time comes from online profiling), which the
+whole job waits for. ``DistributedOptimizer`` starts :func:`load` at construction for the dtypes
+of its parameters, so that loading runs while the first steps, dense, wait for their allreduces;
+the profile calls :func:`wait` before it times the compressor, so that no loading runs beside
+the timing. Numba compiles and loads under one lock, so a kernel that the training thread needs
+meanwhile waits for it and is never loaded twice. Once per process and dtype: the cache of
+loaded kernels is the process's.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+import torch
+
+from ..kernels import host
+from . import segmented
+
+_threads: dict[torch.dtype, threading.Thread] = {}
+
+
+def load(dtypes: Iterable[torch.dtype]) -> None:
+    """Start loading the host kernels of those of ``dtypes`` the host path takes, on a daemon
+    thread, unless this process started it already."""
+    todo = sorted({d for d in dtypes if d in host.DTYPES and d not in _threads}, key=str)
+    if not todo:
+        return
+    thread = threading.Thread(target=_load, args=(todo,), name="saf-kernel-loading", daemon=True)
+    for d in todo:
+        _threads[d] = thread
+    thread.start()
+
+
+def wait() -> None:
+    """Return once every loading started in this process is done."""
+    for thread in set(_threads.values()):
+        thread.join()
+
+
+def _load(dtypes: list[torch.dtype]) -> None:
+    segmented.warm_up(dtypes)
+    host.warm_up(dtypes)
