@@ -14,9 +14,9 @@ are its tables per (P, link, model). Bytes received per worker are read from the
 interface (``/sys/class/net/sfnet/statistics/rx_bytes``, the most any host received per step):
 measured for every scheme, peers included.
 
-What runs by default, chosen so that the whole stays within about an hour on a 2-core machine
-(each part's duration measured in a full run; docs/benchmarks.md): P = 2, 4 and 8 at 1 Gbit/s per
-host, where ``bench_scale_out`` fits its cost model, and the schemes above. Left out, and run by
+What runs by default, chosen to keep the run short on a 2-core machine (each part's duration,
+measured in a full run, and whether the whole fits in an hour: docs/benchmarks.md, "Across
+hosts"): P = 2, 4 and 8 at 1 Gbit/s per host, where ``bench_scale_out`` fits its cost model, and the schemes above. Left out, and run by
 giving ``--links``, ``--schemes`` or ``--skip``: 200 Mbit/s (the peers' gap is widest there, but
 each link costs the run again), Horovod with ``Compression.fp16``, plain DDP (a dense allreduce,
 as Horovod's), ours forced dense (``safusion:dense=true``; the default measures dense against
