@@ -16,11 +16,12 @@ measured for every scheme, peers included.
 
 What runs by default, chosen to keep the run short on a 2-core machine (each part's duration,
 measured in a full run, and whether the whole fits in an hour: docs/benchmarks.md, "Across
-hosts"): P = 2, 4 and 8 at 1 Gbit/s per host, where ``bench_scale_out`` fits its cost model, and the schemes above. Left out, and run by
-giving ``--links``, ``--schemes`` or ``--skip``: 200 Mbit/s (the peers' gap is widest there, but
-each link costs the run again), Horovod with ``Compression.fp16``, plain DDP (a dense allreduce,
-as Horovod's), ours forced dense (``safusion:dense=true``; the default measures dense against
-sparse in its own trial) and ExDyna's communicator (its own compressor, measured by
+hosts"): P = 2, 4 and 8 at 1 Gbit/s per host, where ``bench_scale_out`` fits its cost model, and
+the schemes above. Left out, and run by giving ``--links``, ``--schemes`` or ``--skip``:
+200 Mbit/s (the peers' gap is widest there, but each link costs the run again), Horovod with
+``Compression.fp16``, plain DDP (a dense allreduce, as Horovod's), ours forced dense
+(``safusion:dense=true``; the default measures dense against sparse in its own trial) and
+ExDyna's communicator (its own compressor, measured by
 ``bench_compressors`` and ``bench_convergence``).
 
 Sizes, so that 8 workers fit 2 cores' memory and time: CIFAR ResNet-18 at width 32 (2.8 M weights)
