@@ -6,6 +6,7 @@ what it printed up to then comes back with a note, instead of the test suite han
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,33 @@ def run(cmd: list[str], timeout: float, env: dict | None = None,
         out, err = proc.communicate()
         err += f"\n*** killed after {timeout} s (hang) ***"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+_RANK_LINE = re.compile(r"^\[(\d+)\]<std(?:out|err)>:(.*)$")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def first_errors(output: str, lines: int = 40) -> str:
+    """Each rank's first Python traceback in a ``horovodrun`` log (its lines prefixed
+    ``[rank]<stderr>:``), up to ``lines`` lines each: the cause of a failed job, which a tail of the
+    log loses when the other ranks' echoes of it come later."""
+    by_rank: dict[int, list[str]] = {}
+    for line in output.splitlines():
+        m = _RANK_LINE.match(line)
+        if m:
+            by_rank.setdefault(int(m.group(1)), []).append(m.group(2))
+    report = []
+    for rank in sorted(by_rank):
+        text = by_rank[rank]
+        start = next((i for i, line in enumerate(text) if line.startswith("Traceback")), None)
+        if start is None:
+            continue
+        end = next((i for i in range(start + 1, len(text)) if _EXCEPTION.match(text[i])), len(text) - 1)
+        block = text[start:end + 1]
+        if len(block) > lines:
+            block = block[:lines // 2] + ["..."] + block[-(lines // 2):]
+        report.append(f"[rank {rank}]\n" + "\n".join(block))
+    return "\n".join(report) if report else "(no rank printed a traceback)"
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

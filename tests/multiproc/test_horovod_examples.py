@@ -22,10 +22,11 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import pytest
 
-from launch import horovodrun, run as run_horovodrun
+from launch import first_errors, horovodrun, run as run_horovodrun
 
 pytestmark = pytest.mark.multiproc
 
@@ -65,6 +66,7 @@ def run_job(cmd, out_dir, timeout=LAUNCH_TIMEOUT, env=None):
 
 def describe(proc, seconds):
     text = (f"$ {' '.join(proc.args)}\nexit {proc.returncode} after {seconds:.1f} s\n"
+            f"--- each rank's first error ---\n{first_errors(proc.stdout + proc.stderr)}\n"
             f"--- stdout (tail) ---\n{proc.stdout[-4000:]}\n--- stderr (tail) ---\n{proc.stderr[-6000:]}")
     for stacks in getattr(proc, "stacks", []):  # written by workers that hung
         text += f"\n--- {os.path.basename(stacks[0])} ---\n{stacks[1][-4000:]}"
@@ -133,13 +135,36 @@ def discovery_script(tmp_path, lines):
 
 def elastic_cmd(tmp_path, hosts, optimizer, extra_horovodrun=(), extra_script=(), stacks_after=STACKS_AFTER):
     work = tmp_path / "work"
-    work.mkdir()
+    work.mkdir(parents=True)
     return [horovodrun(), "-np", "2", "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", discovery_script(tmp_path, hosts),
             "--network-interface", "lo", *extra_horovodrun, "--gloo",
             sys.executable, os.path.join(EXAMPLES, "synthetic_benchmark_elastic.py"), "--optimizer", optimizer,
             *ELASTIC, *extra_script, "--dump-stacks-after", stacks_after,
             "--work-dir", str(work), "--json", str(tmp_path / "rank{rank}.json")], work
+
+
+#: What Horovod 0.28.1's own optimizer raises, now and then, in the first step after a reset: the
+#: enqueue checks ``shut_down`` before it adds to the tensor queue, so an allreduce submitted while
+#: the failed session shut down can land after ``FinalizeTensorQueue`` emptied the queue, and the
+#: next session's allreduce of that parameter (same name) is refused. horovod_safusion numbers its
+#: collectives' names per session (``session.collective``), so its runs do not meet this.
+HOROVOD_ENQUEUE_RACE = "same name as another tensor that is currently being processed"
+
+
+def run_elastic(tmp_path, hosts, optimizer, timeout=LAUNCH_TIMEOUT, env=None, **cmd_kwargs):
+    """Launch the elastic example; return (proc, seconds, records, work directory). The reference
+    (Horovod's own optimizer) is launched once more, with a warning, when it met Horovod's race above:
+    the reference checks the script and the launch, not Horovod."""
+    for attempt in range(2 if optimizer == "horovod" else 1):
+        out = tmp_path / f"launch{attempt}"
+        cmd, work = elastic_cmd(out, hosts, optimizer, **cmd_kwargs)
+        proc, seconds, records = run_job(cmd, out, timeout, env)
+        if proc.returncode == 0 or HOROVOD_ENQUEUE_RACE not in proc.stderr:
+            break
+        warnings.warn(f"Horovod's own optimizer met its enqueue/shutdown race after the reset; launched again:\n"
+                      f"{first_errors(proc.stdout + proc.stderr)}")
+    return proc, seconds, records, work
 
 
 def assert_elastic_records(records, optimizer, proc, seconds):
@@ -163,8 +188,7 @@ def assert_elastic_records(records, optimizer, proc, seconds):
 @pytest.mark.parametrize("optimizer", ["safusion", "horovod"])
 def test_elastic_worker_raises_once(optimizer, tmp_path):
     """``localhost:2``; rank 1 raises HorovodInternalError once: both workers reset and finish."""
-    cmd, work = elastic_cmd(tmp_path, ["localhost:2"], optimizer, extra_script=["--fail-mode", "raise"])
-    proc, seconds, records = run_job(cmd, tmp_path)
+    proc, seconds, records, work = run_elastic(tmp_path, ["localhost:2"], optimizer, extra_script=["--fail-mode", "raise"])
     assert_ok(proc, seconds)
     assert (work / "failed-once.marker").exists(), describe(proc, seconds)  # the fault did happen
     assert_elastic_records(records, optimizer, proc, seconds)
@@ -188,12 +212,11 @@ def test_elastic_worker_dies_once_and_is_replaced(optimizer, tmp_path):
     must build its own with the new one, or its rounds would fail or hang."""
     script, env = SPARDL_GLOO if optimizer == "safusion-spardl-gloo" else ([], {})
     optimizer = optimizer.split("-")[0]
-    cmd, work = elastic_cmd(tmp_path, ["localhost:1", "127.0.0.1:1"], optimizer,
-                            extra_horovodrun=["--blacklist-cooldown-range", "1", "2"],
-                            extra_script=["--fail-mode", "exit", "--wait-for-size", "2", "--wait-timeout", "120",
-                                          *script],
-                            stacks_after="100")
-    proc, seconds, records = run_job(cmd, tmp_path, timeout=150, env=env)
+    proc, seconds, records, work = run_elastic(
+        tmp_path, ["localhost:1", "127.0.0.1:1"], optimizer, timeout=150, env=env,
+        extra_horovodrun=["--blacklist-cooldown-range", "1", "2"],
+        extra_script=["--fail-mode", "exit", "--wait-for-size", "2", "--wait-timeout", "120", *script],
+        stacks_after="100")
     assert_ok(proc, seconds)
     assert (work / "failed-once.marker").exists(), describe(proc, seconds)
     assert_elastic_records(records, optimizer, proc, seconds)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import horovodrun, run as run_horovodrun
+from launch import first_errors, horovodrun, run as run_horovodrun
 from horovod_safusion import sweeps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +38,9 @@ def launch(config, tmp_path_factory):
 def job(request, tmp_path_factory):
     proc, records = launch(request.param, tmp_path_factory)
     if proc.returncode != 0:
-        pytest.fail(f"horovodrun {request.param} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(f"horovodrun {request.param} exited {proc.returncode}\n"
+                    f"--- each rank's first error ---\n{first_errors(proc.stdout + proc.stderr)}\n"
+                    f"--- stdout (tail) ---\n{proc.stdout[-4000:]}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}")
     assert [r["rank"] for r in records] == list(range(CONFIGS[request.param][1]))
     return records
 
