@@ -71,7 +71,10 @@ workers' first error, or how a worker ended); the other schemes go on, and no ra
 against it. A failed job's samples so far stay in results.json. PowerSGD's hook starts its 2nd
 and 3rd allreduce from completion callbacks; with several buckets Gloo ranks may start them in
 different orders (an earlier version saw ``op.preamble.length <= op.nbytes`` abort a job); if
-that happens, ``ddp-powersgd`` is reported so.
+that happens, ``ddp-powersgd`` is reported so. With several ``--hosts``, a scheme that failed at
+a smaller number of hosts on the same model and link is not launched again at the larger ones
+(each start of a job of 8 workers costs minutes here): its cells say "not launched: failed at
+<setting> (<reason>)"; ``--relaunch-failed`` launches it anyway.
 
 Per scheme and round: seconds/iteration (the slowest rank), CPU seconds/iteration per worker
 (``time.process_time``, mean of ranks) and its split by thread from ``/proc/self/task/*/stat``: the
@@ -125,6 +128,7 @@ from typing import Callable
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(HERE, "..", "examples")
 sys.path.insert(0, HERE)
 from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link, start_job  # noqa: E402
 from schemes import TORCHRUN, Scheme, describe, parse, print_resolved  # noqa: E402
@@ -651,11 +655,13 @@ def groups_of(others: list[Job], references: list[Job], resident: int | None) ->
     return [others[i:i + size] for i in range(0, len(others), size)]
 
 
-def run_model(link: str, model: str, prefix: list[str], args) -> dict:
+def run_model(link: str, model: str, prefix: list[str], args, not_launched: dict[str, str] | None = None) -> dict:
     """Every scheme's job at one link and model: start and warm up one at a time, then the rounds.
     Where the jobs do not fit in memory at once, the references (:data:`REFERENCES`) stay warm and
     the other schemes run in groups, one after the other, each for every alternation beside the
-    references; group ``g``'s alternation ``a`` is round ``g · alternations + a``."""
+    references; group ``g``'s alternation ``a`` is round ``g · alternations + a``. Schemes in
+    ``not_launched`` (key: why) other than the references are reported failed for that reason
+    without a job."""
     from tqdm import tqdm
 
     name = lambda key: slug(f"{link}-{model}-{key}")  # noqa: E731
@@ -663,13 +669,18 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
                 os.path.join(args.out, "logs", f"{name(key)}.log"), args.np)
             for key, kind in ((s.label, kind_of(s)) for s in map(parse, args.schemes))]
     references = [job for job in jobs if job.key in REFERENCES]
+    for job in jobs:
+        if job not in references and job.key in (not_launched or {}):
+            job.failed = not_launched[job.key]
+            print(f"  {job.key} not launched: {job.failed}", flush=True)
     orders, rounds = [], 0
     try:
         for job in references:
             warm_up(job, commands(job, model, args, prefix), args)
             if job.failed:
                 print(f"  {job.key} failed: {job.failed}", flush=True)
-        groups = groups_of([job for job in jobs if job not in references], references, args.resident)
+        groups = groups_of([job for job in jobs if job not in references and job.failed is None], references,
+                           args.resident)
         if len(groups) > 1:
             print(f"  {len(jobs)} jobs do not fit in memory at once: {len(groups)} groups beside "
                   f"{', '.join(j.key for j in references)}: "
@@ -680,6 +691,8 @@ def run_model(link: str, model: str, prefix: list[str], args) -> dict:
                 if job.failed:
                     tqdm.write(f"  {job.key} failed: {job.failed}")
             turn = [job for job in jobs if job in references or job in group]  # in the order asked for
+            if not turn:  # no job to run: every scheme was not launched
+                break
             with tqdm(total=args.alternations * len(turn), desc=f"{link} {model} rounds", file=sys.stdout,
                       dynamic_ncols=True) as bar:
                 for alt in range(args.alternations):
@@ -725,6 +738,11 @@ def drive(args) -> None:
     if unknown:
         raise SystemExit(f"--skip {' '.join(unknown)}: not a setting of this run; its settings are {' '.join(labels)}")
     settings = [s for s, label in zip(settings, labels) if label not in args.skip]
+    if "lstm" in args.models:  # tokenised once here; every worker then reads corpus.py's cache
+        sys.path.insert(0, EXAMPLES)
+        from corpus import stdlib_corpus
+        stdlib_corpus(vocab=args.vocab)
+    failed_before: dict[tuple[str, str], dict[str, str]] = {}  # (link, model): scheme -> why
     for hosts, link in settings:
         label = link if hosts is None else f"{hosts}x{link}"  # e.g. 4x1gbit: 4 hosts, 1 Gbit/s each
         args.on_hosts = hosts
@@ -736,7 +754,12 @@ def drive(args) -> None:
         # one namespace for all of the link's jobs, or a cluster of hosts with a link each
         with (cluster(hosts, link) if hosts else limited_link(link)) as prefix:
             for model in args.models:
-                results.setdefault(label, {})[model] = run_model(label, model, prefix, args)
+                earlier = failed_before.setdefault((link, model), {})
+                res = run_model(label, model, prefix, args, {} if args.relaunch_failed else earlier)
+                results.setdefault(label, {})[model] = res
+                for key, job in res["jobs"].items():
+                    if job["failed"] and key not in earlier:
+                        earlier[key] = f"not launched: failed at {label} ({job['failed']})"
         print(f"== link {label}: done in {time.time() - t0:.0f} s", flush=True)
     summary = report(results, args)
     failures = [{"link": link, "model": model, "scheme": key, "reason": job["failed"]}
@@ -942,6 +965,10 @@ def main() -> None:
                     help="'loopback' or tc rates (each in a network namespace; needs root)")
     ap.add_argument("--skip", nargs="+", default=[], metavar="LABEL",
                     help="settings of hosts and link not to run, as labelled in the results (e.g. 8x200mbit)")
+    ap.add_argument("--relaunch-failed", action="store_true",
+                    help="with several --hosts: launch again, at the next number of hosts, a scheme that failed "
+                         "at a smaller one on the same model and link (by default it is reported failed, with "
+                         "the first failure's reason, without a job)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES),
                     help="subset of the defaults, plus name:key=value:... variants of our optimizer")
@@ -970,7 +997,7 @@ def main() -> None:
     if args.hosts and min(args.hosts) < 1:
         ap.error(f"--hosts must be at least 1, got {args.hosts}")
     if args.worker:
-        sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+        sys.path.insert(0, EXAMPLES)
         worker(args)
     else:
         args.out = os.path.abspath(args.out)  # the workers run elsewhere and must find its files

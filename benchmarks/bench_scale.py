@@ -22,7 +22,8 @@ the schemes above. Left out, and run by giving ``--links``, ``--schemes`` or ``-
 ``Compression.fp16``, plain DDP (a dense allreduce, as Horovod's), ours forced dense
 (``safusion:dense=true``; the default measures dense against sparse in its own trial) and
 ExDyna's communicator (its own compressor, measured by
-``bench_compressors`` and ``bench_convergence``).
+``bench_compressors`` and ``bench_convergence``). A scheme that fails at a smaller P on a model
+is not launched at the larger ones (``bench_peers``; ``--relaunch-failed`` launches it anyway).
 
 Sizes, so that 8 workers fit 2 cores' memory and time: CIFAR ResNet-18 at width 32 (2.8 M weights)
 and the LSTM language model at 256 units (6.2 M weights, vocabulary 10000), batch 16 per worker.

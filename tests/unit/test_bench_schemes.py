@@ -67,3 +67,14 @@ def test_a_bad_label_names_itself_and_what_is_known(label, message):
 def test_bench_convergence_refuses_ddps_default_buckets_beside_horovod():
     with pytest.raises(SystemExit, match="ddp-powersgd-1bucket"):
         bench_convergence.resolve("ddp-powersgd")
+
+
+def test_a_scheme_that_failed_at_fewer_hosts_is_reported_without_a_job(tmp_path):
+    """``bench_peers.run_model`` with a scheme in ``not_launched``: no job starts (none could here:
+    there is no cluster), and its cell carries the earlier failure's reason."""
+    args = argparse.Namespace(out=str(tmp_path), np=8, schemes=["ddp-powersgd"], resident=None, alternations=3)
+    why = "not launched: failed at 2x1gbit (exit status 1 while warming up)"
+    res = bench_peers.run_model("8x1gbit", "lstm", [], args, {"ddp-powersgd": why})
+    job = res["jobs"]["ddp-powersgd"]
+    assert job["failed"] == why and job["warm"] == [] and job["samples"] == [[] for _ in range(8)]
+    assert not (tmp_path / "logs").exists()
