@@ -672,7 +672,7 @@ def run_model(link: str, model: str, prefix: list[str], args, not_launched: dict
     for job in jobs:
         if job not in references and job.key in (not_launched or {}):
             job.failed = not_launched[job.key]
-            print(f"  {job.key} not launched: {job.failed}", flush=True)
+            print(f"  {job.key}: {job.failed}", flush=True)
     orders, rounds = [], 0
     try:
         for job in references:
