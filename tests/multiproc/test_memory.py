@@ -74,8 +74,11 @@ def test_the_resident_peak_stays_within_twice_the_model_of_horovods(records, con
     for rec in records:
         r, model = rec[config], rec[config]["model_bytes"]
         extra = MOMENTUM * model if config in TAKES_MOMENTUM else 0.0
-        over = r["peak_rise"] - rec["horovod"]["peak_rise"]
-        assert over <= PEAK * model + extra + SMALL, (config, over / model, r)
+        over, bound = r["peak_rise"] - rec["horovod"]["peak_rise"], PEAK * model + extra + SMALL
+        assert over <= bound, (
+            f"{config}: peak {over / model:.2f}× the model over Horovod's (bound {bound / model:.2f}×; "
+            f"its rise {r['peak_rise'] / model:.2f}×, Horovod's {rec['horovod']['peak_rise'] / model:.2f}×), "
+            f"set at {r['peak_at']}; settled on dense={r['dense']}, {r['plan']}, {r['buffers']} buffers", r)
 
 
 def windows(samples: list[int]) -> list[float]:
