@@ -45,6 +45,13 @@ ONE_RUN_S = 0.1
 #: A contender slower than this many times the best communicator's time at its largest message is
 #: not swept further (:func:`communicator_sweeps`): near the best, its whole curve decides.
 PRUNE_MARGIN = 1.25
+#: A contender whose first run at its largest message (the warm-up, on the fastest rank) already
+#: took more than this many times the best's time there is pruned on that run, without the
+#: ``reps`` counted ones: at 8 hosts one run of ZEN's largest message can take seconds. Above
+#: :data:`PRUNE_MARGIN`, so that a first run slowed by what later runs do not pay still leaves
+#: the decision to the counted runs near the margin (docs/benchmarks.md, "Measurements behind
+#: the code's constants", has the runs).
+GIVE_UP = 1.5
 
 T = TypeVar("T")
 
@@ -129,15 +136,23 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
 
 
 def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str | None = None,
-                    process_set: Any = None) -> float:
+                    process_set: Any = None, give_up: tuple[str, float] | None = None) -> float:
     """Median seconds of ``reps`` runs of the collective ``run``, after one that warms Horovod's
     caches up and is not counted. With ``agree`` (a collective's name), of one run where that
     warm-up took :data:`ONE_RUN_S` or more on the fastest rank of ``process_set``: the fastest
     rank's warm-up time is agreed by a small allreduce that goes beside the first counted run, so
-    every rank runs the same collectives."""
+    every rank runs the same collectives. With ``give_up`` (a collective's name and this rank's
+    bar in seconds), none counted where the fastest rank's warm-up took longer than the lowest
+    rank's bar (both agreed by one small allreduce first): the warm-up's seconds are returned."""
     a = clock.mark()
     run()
     warm = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
+    if give_up is not None:
+        name, bar = give_up
+        fastest, lowest = wait(hvd.allreduce_async(torch.tensor([warm.item(), bar], dtype=torch.float64), op=hvd.Min,
+                                                   name=collective(name), process_set=process_set)).tolist()
+        if fastest > lowest:
+            return warm.item()
     agreed = None if agree is None else hvd.allreduce_async(warm, op=hvd.Min, name=collective(agree),
                                                             process_set=process_set)
     times = []
@@ -168,12 +183,14 @@ def message_counts(communicator: Communicator, tensors: Sequence[TensorInfo], de
 
 def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo], density: float,
                         dtype: torch.dtype, device: torch.device, reps: int = 2,
-                        points: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
+                        points: Sequence[int] | None = None,
+                        give_up: tuple[str, float] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of one collective of ``communicator`` for swept message sizes
     (:func:`message_counts`; ``points``: only those positions of its list, default all) (a
-    collective: every rank of its process set). The collectives have no target: what they deliver
-    is not added anywhere (the steps' decoding is measured in the profiled steps themselves), so
-    the sweep holds no buffer of the model's size.
+    collective: every rank of its process set); ``give_up``: :func:`time_collective`'s, for every
+    point. The collectives have no target: what they deliver is not added anywhere (the steps'
+    decoding is measured in the profiled steps themselves), so the sweep holds no buffer of the
+    model's size.
 
     A message's size is what one rank offers, as :meth:`~horovod_safusion.fusion.Profile.message_bytes`
     prices it: its dense bytes for a dense communicator, else its selected elements times the
@@ -196,7 +213,8 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
         indices = None if dense else torch.arange(count, device=device) * stride + rank % stride
         outgoing = Outgoing(f"sweep.{j}", values, indices, numel)
         nbytes.append(float(count * row))
-        seconds.append(time_collective(lambda: communicator.start(outgoing, Reduction(hvd.Sum)).wait(), clock, reps))
+        seconds.append(time_collective(lambda: communicator.start(outgoing, Reduction(hvd.Sum)).wait(), clock, reps,
+                                       process_set=communicator.process_set, give_up=give_up))
     return nbytes, seconds
 
 
@@ -220,9 +238,11 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 
     Every other contender is timed at its largest message first, and not swept further where it
     took more than :data:`PRUNE_MARGIN` times the best time there, and that message is the job's
-    own largest (not cut short by :data:`SWEEP_BYTES`). The contenders (SparDL, ZEN) run in more
-    rounds than the allgather, so their latency is higher and their edge is in volume: largest at
-    the largest message, so a contender that loses there loses at every smaller size. Times are
+    own largest (not cut short by :data:`SWEEP_BYTES`); where its first run there took more than
+    :data:`GIVE_UP` times the best time already, that run decides. The contenders (SparDL, ZEN)
+    run in more rounds than the allgather, so their latency is higher and their edge is in
+    volume: largest at the largest message, so a contender that loses there loses at every
+    smaller size. Times are
     the fastest rank's, as the profile's (the same decision on every rank). Returns the swept
     curves and the pruned contenders."""
     timed = timed or Stopwatch({})
@@ -231,16 +251,18 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
     pruned: dict[str, Pruned] = {}
     for name in order:
         comm = communicators[name]
-        counts, _, cut = message_counts(comm, tensors, density, dtype)
+        counts, row, cut = message_counts(comm, tensors, density, dtype)
         if name == first or cut:
             swept[name] = timed(f"communicate:{name}",
                                 lambda: communication_sweep(comm, tensors, density, dtype, device))
             continue
         top = len(counts) - 1
-        nbytes, secs = timed(f"communicate:{name}",
-                             lambda: communication_sweep(comm, tensors, density, dtype, device, points=[top]))
         # the best so far at the same message (swept curves of the same density share their sizes)
-        best = min((n for n in swept if swept[n][0][-1] == nbytes[-1]), key=lambda n: swept[n][1][-1], default=None)
+        best = min((n for n in swept if swept[n][0][-1] == counts[top] * row), key=lambda n: swept[n][1][-1],
+                   default=None)
+        bar = GIVE_UP * swept[best][1][-1] if best is not None else np.inf
+        nbytes, secs = timed(f"communicate:{name}", lambda: communication_sweep(
+            comm, tensors, density, dtype, device, points=[top], give_up=(f"saf.sweep.give_up.{name}", bar)))
         mine, theirs = hvd.allreduce(torch.tensor([secs[-1], swept[best][1][-1] if best else np.inf],
                                                   dtype=torch.float64),
                                      op=hvd.Min, name=collective(f"saf.sweep.prune.{name}"),

@@ -161,9 +161,11 @@ def test_a_checkpoint_naming_a_communicator_this_optimizer_does_not_hold_keeps_t
     train(m2, opt2, 2, first=4)
 
 
-def pruning_sweeps(hvd, monkeypatch, margin: float, sweep_bytes: int | None = None):
+def pruning_sweeps(hvd, monkeypatch, margin: float, sweep_bytes: int | None = None, give_up: float | None = None,
+                   runs: list | None = None):
     """The profile's communicator sweeps of a small job over ``AUTO_SPARSE`` (a real one-worker
-    Horovod), the allgather first, with ``sweeps.PRUNE_MARGIN = margin``."""
+    Horovod), the allgather first, with ``sweeps.PRUNE_MARGIN = margin`` (and ``sweeps.GIVE_UP =
+    give_up``); ``runs`` receives the name of the communicator of every collective run."""
     from horovod_safusion import sweeps
     from horovod_safusion.communicators.base import make_communicators
     from horovod_safusion.plan import TensorInfo
@@ -171,9 +173,16 @@ def pruning_sweeps(hvd, monkeypatch, margin: float, sweep_bytes: int | None = No
     monkeypatch.setattr(sweeps, "PRUNE_MARGIN", margin)
     if sweep_bytes is not None:
         monkeypatch.setattr(sweeps, "SWEEP_BYTES", sweep_bytes)
+    if give_up is not None:
+        monkeypatch.setattr(sweeps, "GIVE_UP", give_up)
     comms = make_communicators("auto", False, hvd.global_process_set, hvd.Compression.none)
     for c in comms.values():
         c.setup(None)
+        if runs is not None:
+            def start(outgoing, reduction, _start=c.start, _name=c.name):
+                runs.append(_name)
+                return _start(outgoing, reduction)
+            monkeypatch.setattr(c, "start", start)
     tensors = [TensorInfo(f"t{i}", n, 4, "torch.float32:cpu") for i, n in enumerate((5_000, 20_000, 300))]
     took = {}
     swept, pruned = sweeps.communicator_sweeps(comms, tensors, 0.03, torch.float32, torch.device("cpu"),
@@ -189,6 +198,17 @@ def test_a_contender_slower_at_the_largest_message_is_not_swept_further(hvd, mon
     p = pruned["zen"]
     assert p.best == "allgather" and p.nbytes == swept["allgather"][0][-1] and p.seconds > 0
     assert set(took) == {"communicate:allgather", "communicate:zen"}
+
+
+def test_a_contender_far_beyond_the_margin_is_pruned_on_its_first_run(hvd, monkeypatch):
+    # a margin any time exceeds; GIVE_UP = 0: a bar of 0 s, which any first run exceeds; GIVE_UP
+    # huge: a bar no run reaches, so the counted runs decide (and prune it at that margin)
+    runs = []
+    _, pruned, _, _ = pruning_sweeps(hvd, monkeypatch, margin=1e-9, give_up=0.0, runs=runs)
+    assert list(pruned) == ["zen"] and runs.count("zen") == 1
+    runs = []
+    _, pruned, _, _ = pruning_sweeps(hvd, monkeypatch, margin=1e-9, give_up=1e300, runs=runs)
+    assert list(pruned) == ["zen"] and runs.count("zen") == 3  # the warm-up and two counted runs
 
 
 def test_a_contender_within_the_margin_is_swept_in_full_in_ascending_sizes(hvd, monkeypatch):
