@@ -242,9 +242,8 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
     :data:`GIVE_UP` times the best time already, that run decides. The contenders (SparDL, ZEN)
     run in more rounds than the allgather, so their latency is higher and their edge is in
     volume: largest at the largest message, so a contender that loses there loses at every
-    smaller size. Times are
-    the fastest rank's, as the profile's (the same decision on every rank). Returns the swept
-    curves and the pruned contenders."""
+    smaller size. Times are the fastest rank's, as the profile's (the same decision on every
+    rank). Returns the swept curves and the pruned contenders."""
     timed = timed or Stopwatch({})
     order = [first] + [name for name in communicators if name != first]
     swept: dict[str, tuple[list[float], list[float]]] = {}
@@ -260,11 +259,11 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
         # the best so far at the same message (swept curves of the same density share their sizes)
         best = min((n for n in swept if swept[n][0][-1] == counts[top] * row), key=lambda n: swept[n][1][-1],
                    default=None)
-        bar = GIVE_UP * swept[best][1][-1] if best is not None else np.inf
+        theirs = swept[best][1][-1] if best is not None else np.inf
+        give_up = None if best is None else (f"saf.sweep.give_up.{name}", GIVE_UP * theirs)
         nbytes, secs = timed(f"communicate:{name}", lambda: communication_sweep(
-            comm, tensors, density, dtype, device, points=[top], give_up=(f"saf.sweep.give_up.{name}", bar)))
-        mine, theirs = hvd.allreduce(torch.tensor([secs[-1], swept[best][1][-1] if best else np.inf],
-                                                  dtype=torch.float64),
+            comm, tensors, density, dtype, device, points=[top], give_up=give_up))
+        mine, theirs = hvd.allreduce(torch.tensor([secs[-1], theirs], dtype=torch.float64),
                                      op=hvd.Min, name=collective(f"saf.sweep.prune.{name}"),
                                      process_set=process_set).tolist()
         if best is not None and mine > PRUNE_MARGIN * theirs:

@@ -113,24 +113,22 @@ def run_config(kwargs: dict, leak: bool) -> dict:
         peak[0] = max(peak[0], memory.held(opt).bytes)
         hwm = memory.rss()["hwm"]
         if hwm > rise["hwm"]:
-            rise.update(hwm=hwm, step=watch.step, planner=opt.plan.planner, dense=opt.plan.dense,
+            rise.update(hwm=hwm, step=opt.controller.steps, planner=opt.plan.planner, dense=opt.plan.dense,
                         settled=opt.settled)
 
     step = 0
     while not opt.settled or opt.plan.planner == "provisional":
-        watch.step = step
         step = train(opt, model, 1, step, watch)
         if step > SETTLE_LIMIT:
             raise RuntimeError(f"the optimizer did not settle in {SETTLE_LIMIT} steps")
-    watch.step = f"{step}+"
     step = train(opt, model, SETTLED_STEPS, step, watch)
     peak_rise = memory.rss()["hwm"] - base
     gc.collect()
     held = memory.held(opt)
     rise.pop("hwm")
     out = {"model_bytes": memory.model_bytes(opt), "held": held.bytes, "peak_held": peak[0], "peak_rise": peak_rise,
-           "peak_at": rise, "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner, "dense": opt.plan.dense,
-           "buffers": len(opt.plan.buffers), "settled_at": step,
+           "peak_at": rise, "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner,
+           "dense": opt.plan.dense, "buffers": len(opt.plan.buffers), "settled_at": step,
            "takes_momentum": opt.local_momentum is not None,  # u: DGC's correction or EF21-SGDM
            "half": opt.controller.regimes is not None and opt.controller.regimes.half}
     if leak:
