@@ -24,7 +24,9 @@ Two transports carry rounds:
 
 ``rounds="auto"`` (the communicators' default) measures both at ``setup()`` with three workers or
 more: every rank times ring rounds of one row over each transport, alternating, the slowest rank's
-median counts, and the faster transport is kept (the same choice on every rank). With two workers
+median counts, and the faster transport is kept (the same choice on every rank). Where one
+transport is already :data:`PROBE_DECISIVE` times faster after a block of each order, the
+remaining blocks are not run. With two workers
 it keeps Horovod's: SparDL and ZEN then do not compete with the allgather (:func:`.base.contenders`). A Gloo group lives per process set and Horovod session:
 after an elastic reset, ``setup()`` builds a new one on the new ranks.
 
@@ -65,8 +67,11 @@ from .base import Communicator, wait
 ROUNDS = ("auto", "horovod", "gloo")
 #: Seconds a Gloo round waits for a peer where ``HOROVOD_GLOO_TIMEOUT_SECONDS`` is unset (Horovod's default).
 GLOO_TIMEOUT_S = 30
-#: ``rounds="auto"`` times :data:`PROBE_BLOCKS` blocks of :data:`PROBE_ROUNDS` ring rounds per transport.
+#: ``rounds="auto"`` times up to :data:`PROBE_BLOCKS` blocks of :data:`PROBE_ROUNDS` ring rounds per transport.
 PROBE_BLOCKS, PROBE_ROUNDS = 4, 4
+#: After each pair of blocks (one in each order), a transport whose round took at most 1 /
+#: ``PROBE_DECISIVE`` of the other's (slowest rank's medians so far) is chosen without the rest.
+PROBE_DECISIVE = 1.5
 
 
 #: The environment variable that sets ``rounds=`` for communicators not given one (e.g. by name).
@@ -325,10 +330,12 @@ def resolve_rounds(spec: str, process_set: Any) -> tuple[Any, dict[str, float]]:
         if gloo is None:
             chosen = HorovodRounds(process_set), {}
         else:
+            start = time.perf_counter()
             times = probe([gloo.fallback, gloo])
             chosen = (gloo if times["gloo"] < times["horovod"] else gloo.fallback), times
             announce(f"point-to-point rounds over {chosen[0].name} (ms per round: " +
-                     ", ".join(f"{name} {1e3 * t:.2f}" for name, t in times.items()) + ")")
+                     ", ".join(f"{name} {1e3 * t:.2f}" for name, t in times.items()) +
+                     f"; probed in {time.perf_counter() - start:.2f} s)")
     _chosen[key] = chosen
     return chosen
 
@@ -368,14 +375,17 @@ def gloo_rounds(process_set: Any, fall_back: bool = False) -> GlooRounds | None:
 
 def probe(transports: Sequence[Any]) -> dict[str, float]:
     """Seconds per ring round of one 8-byte row (to the next rank, from the previous one) over
-    each of ``transports``, by name: :data:`PROBE_BLOCKS` blocks of :data:`PROBE_ROUNDS` rounds
-    alternate between them (A B B A ..., so that a drift of the machine's speed hits all alike),
-    a transport's time is the median of its rounds, and the slowest rank's counts (a collective:
-    every rank of the process set calls it)."""
+    each of ``transports``, by name: up to :data:`PROBE_BLOCKS` blocks of :data:`PROBE_ROUNDS`
+    rounds alternate between them (A B B A ..., so that a drift of the machine's speed hits all
+    alike), a transport's time is the median of its rounds, and the slowest rank's counts (a
+    collective: every rank of the process set calls it). After each pair of blocks the medians so
+    far are agreed by one small allreduce; where the fastest transport's is at most 1 /
+    :data:`PROBE_DECISIVE` of every other's, the probe ends there (the same point on every rank)."""
     ps = transports[0].process_set
     me, size = ps.rank(), ps.size()
     row = torch.zeros((1, 8), dtype=torch.uint8)
     times: dict[str, list[float]] = {t.name: [] for t in transports}
+    slowest: dict[str, float] = {}
     for block in range(PROBE_BLOCKS):
         for t in (transports if block % 2 == 0 else transports[::-1]):
             for i in range(PROBE_ROUNDS + 1):  # the first round of a block warms up
@@ -383,6 +393,11 @@ def probe(transports: Sequence[Any]) -> dict[str, float]:
                 t.start({(me + 1) % size: row}, [(me - 1) % size], f"saf.rounds.probe.{t.name}.{block}.{i}", row[:0]).wait()
                 if i:
                     times[t.name].append(time.perf_counter() - t0)
-    mine = torch.tensor([float(np.median(times[t.name])) for t in transports], dtype=torch.float64)
-    slowest = hvd.allreduce(mine, op=hvd.Max, name=collective("saf.rounds.probe"), process_set=ps)
-    return {t.name: float(s) for t, s in zip(transports, slowest)}
+        if block % 2 == 1 or block == PROBE_BLOCKS - 1:
+            mine = torch.tensor([float(np.median(times[t.name])) for t in transports], dtype=torch.float64)
+            agreed = hvd.allreduce(mine, op=hvd.Max, name=collective(f"saf.rounds.probe.{block}"), process_set=ps)
+            slowest = {t.name: float(s) for t, s in zip(transports, agreed)}
+            best, *others = sorted(slowest.values())
+            if all(other >= PROBE_DECISIVE * best for other in others):
+                break
+    return slowest
