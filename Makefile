@@ -41,7 +41,7 @@ bench-scale: $(STAMP)
 	$(PY) benchmarks/bench_scale_out.py
 
 # time to accuracy of every scheme at 2, 4 and 8 hosts of a cluster on one machine, 100 Mbit/s and 1 Gbit/s
-# per host (root), one seed: about an hour
+# per host (root), one seed: an hour or more on a 2-core machine (docs/benchmarks.md)
 bench-tta: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/bench_time_to_accuracy.py
 
