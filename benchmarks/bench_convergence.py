@@ -42,8 +42,9 @@ SGD). This benchmark runs ours with ``dense=False`` and critical regimes at the 
 turns them off; a label's ``:dense=...`` or ``:critical_regimes=none`` overrides either), so the
 comparison is of the sparse algorithms; rank 0 prints what each label resolved to.
 
-Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch; training time
-(excluding evaluation) is kept with each point. The report gives per scheme the median final
+Per model, scheme and seed the metric is evaluated ``--evals`` times per epoch, each worker on its
+own shard of the held-out set (the ranks' sums added); training time (excluding evaluation) is
+kept with each point. The report gives per scheme the median final
 metric over seeds with its min–max, its difference to dense Horovod's median, the mean density
 actually sent, and the time to quality: median seconds (and steps) until the metric first reaches
 dense Horovod's median final metric within 1 accuracy point / 3 % perplexity (``—`` if some seed
@@ -72,6 +73,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -81,10 +83,8 @@ from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-import horovod_safusion as saf  # noqa: E402
-from horovod_safusion.regime import DEFAULT_INTERVAL  # noqa: E402
 from corpus import stdlib_split  # noqa: E402
-from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
+from digits import DigitsCNN, load_digits_split  # noqa: E402
 from models import LSTMLanguageModel  # noqa: E402
 
 sys.path.insert(0, HERE)
@@ -98,13 +98,40 @@ QUALITY = {"digits": 0.01, "lstm": 0.03}  # within 1 accuracy point / 3 % perple
 
 # ---- tasks --------------------------------------------------------------------------------------
 class Task:
-    """A model, its data (this rank's batches in a seed-dependent order) and its metric."""
+    """A model, its data (this rank's batches in a seed-dependent order) and its metric.
+
+    The metric is evaluated in shards: each rank evaluates its own slice of the held-out set and
+    ``allsum`` (a collective every rank calls at the same step: Horovod's allreduce, or
+    ``torch.distributed``'s in a DDP job) adds the ranks' sums, so that P workers on one machine
+    share one evaluation's work instead of each doing all of it. The replicas are the same model
+    at every step, so the metric is the whole set's (up to the order of the sum)."""
 
     higher_is_better = True
     clip: float | None = None
 
-    def __init__(self, args, rank: int, size: int) -> None:
-        self.args, self.rank, self.size = args, rank, size
+    def __init__(self, args, rank: int, size: int, allsum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.args, self.rank, self.size, self.allsum = args, rank, size, allsum
+
+    def shard(self, n: int) -> torch.Tensor:
+        """This rank's indices of ``n`` held-out items (contiguous, the sizes differing by at most one)."""
+        return torch.tensor_split(torch.arange(n), self.size)[self.rank]
+
+    def evaluate(self, model) -> float:
+        """The metric of ``model`` (a DDP model's own module: its forward is no collective) on the
+        whole held-out set: this rank's shard's (sum, count), summed over the ranks."""
+        model = getattr(model, "module", model)
+        model.eval()
+        with torch.no_grad():
+            total, count = self.allsum(torch.tensor(self.shard_sums(model), dtype=torch.float64)).tolist()
+        model.train()
+        return self.metric_of(total, count)
+
+    def shard_sums(self, model) -> tuple[float, float]:
+        """(sum, count) of the metric's terms over this rank's shard."""
+        raise NotImplementedError
+
+    def metric_of(self, total: float, count: float) -> float:
+        return total / count
 
     def steps_per_epoch(self) -> int:
         return self.n_train // (self.batch * self.size)
@@ -117,8 +144,8 @@ class Task:
 class Digits(Task):
     name, metric = "digits", "test accuracy"
 
-    def __init__(self, args, rank, size):
-        super().__init__(args, rank, size)
+    def __init__(self, args, rank, size, allsum):
+        super().__init__(args, rank, size, allsum)
         self.x, self.y, self.x_te, self.y_te = load_digits_split()
         self.n_train, self.batch, self.epochs = len(self.x), 32, args.digits_epochs
         self.lr, self.width = args.digits_lr, args.digits_width
@@ -131,16 +158,17 @@ class Digits(Task):
         idx = perm[first:first + self.batch]
         return F.cross_entropy(model(self.x[idx]), self.y[idx])
 
-    def evaluate(self, model) -> float:
-        return accuracy(model, self.x_te, self.y_te)
+    def shard_sums(self, model) -> tuple[float, float]:
+        idx = self.shard(len(self.y_te))
+        return float((model(self.x_te[idx]).argmax(1) == self.y_te[idx]).sum()), float(len(idx))
 
 
 class LSTM(Task):
     name, metric, higher_is_better, clip = "lstm", "validation perplexity", False, 0.25
     bptt = 35
 
-    def __init__(self, args, rank, size):
-        super().__init__(args, rank, size)
+    def __init__(self, args, rank, size, allsum):
+        super().__init__(args, rank, size, allsum)
         self.train_ids, valid, self.itos = stdlib_split(vocab=4000, max_chars=1_500_000)
         self.valid = valid[:args.valid_tokens]
         self.n_train = (len(self.train_ids) - 1) // self.bptt  # windows
@@ -156,21 +184,25 @@ class LSTM(Task):
         logits = model(self.train_ids[idx])
         return F.cross_entropy(logits.flatten(0, 1), self.train_ids[idx + 1].flatten())
 
-    def evaluate(self, model) -> float:
-        model.eval()
-        n = (len(self.valid) - 1) // self.bptt
-        with torch.no_grad():
-            idx = torch.arange(n)[:, None] * self.bptt + torch.arange(self.bptt)
-            total = 0.0
-            for chunk in idx.split(64):
-                logits = model(self.valid[chunk])
-                total += F.cross_entropy(logits.flatten(0, 1), self.valid[chunk + 1].flatten(),
-                                         reduction="sum").item()
-        model.train()
-        return float(np.exp(total / (n * self.bptt)))
+    def shard_sums(self, model) -> tuple[float, float]:
+        windows = self.shard((len(self.valid) - 1) // self.bptt)
+        idx = windows[:, None] * self.bptt + torch.arange(self.bptt)
+        total = 0.0
+        for chunk in idx.split(64):
+            logits = model(self.valid[chunk])
+            total += F.cross_entropy(logits.flatten(0, 1), self.valid[chunk + 1].flatten(), reduction="sum").item()
+        return total, float(idx.numel())
+
+    def metric_of(self, total: float, count: float) -> float:
+        return float(np.exp(total / count))
 
 
 TASKS = {"digits": Digits, "lstm": LSTM}
+
+
+def horovod_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over the job's ranks, through Horovod (a job that runs Horovod)."""
+    return hvd.allreduce(t, op=hvd.Sum, name="bench.evaluate")
 
 
 # ---- schemes ------------------------------------------------------------------------------------
@@ -180,6 +212,8 @@ def scheme_keys(args) -> list[str]:
         for d in args.densities:
             keys += [f"{fusion}@{d:g}", f"{fusion}@{d:g}+dgc"]
     keys += [f"safusion@{d:g}+dgc+nomask" for d in args.densities if "safusion" in args.fusions]
+    import horovod_safusion as saf
+
     others = [c for c in saf.available_compressors() if c not in ("none", "dgc")]
     keys += [f"safusion@0.01/{c}" for c in others]
     return keys
@@ -205,6 +239,8 @@ def our_kwargs(scheme: Scheme, task: Task, total_steps: int, args) -> dict:
     """Our optimizer's arguments: the label's, on this benchmark's defaults — ``dense=False`` (it
     compares the sparse algorithms' learning) with the default's critical regimes, and
     ``--min-selected`` where given."""
+    from horovod_safusion.regime import DEFAULT_INTERVAL  # here: a peer's job must not import the plugin
+
     defaults = {"dense": False, "critical_regimes": DEFAULT_INTERVAL}
     if getattr(args, "min_selected", None) is not None:
         defaults["min_selected"] = args.min_selected
@@ -675,6 +711,7 @@ def main() -> None:
     for k in keys:
         resolve(k)  # a malformed key stops here, before Horovod starts
 
+    import horovod_safusion  # noqa: F401  before hvd.init(), as a user's script: this job runs ours too
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
@@ -684,7 +721,7 @@ def main() -> None:
     results = {}
     t_start = time.time()
     for model in args.models:
-        task = TASKS[model](args, rank, size)
+        task = TASKS[model](args, rank, size, horovod_sum)
         if rank == 0:
             steps = total_steps(task, args)
             print_resolved([describe(sc, our_kwargs(sc, task, steps, args) if sc.ours else None)

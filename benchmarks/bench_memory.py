@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, HERE)
+from links import job_environ  # noqa: E402
 from schemes import Scheme, describe, parse, print_resolved  # noqa: E402
 
 #: glibc serves allocations from this size on as mappings of their own (fixed: by default it raises
@@ -268,7 +269,7 @@ def main() -> None:
                os.path.abspath(__file__), "--worker", "--scheme", scheme, "--tag", tag, "--out", args.out,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
         given = resolve(scheme).env  # the label's variables; its PYTHONPATH (another tree) comes first
-        env = dict(os.environ, **given, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+        env = job_environ(**given, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
         tree = [given["PYTHONPATH"]] if "PYTHONPATH" in given else []
         env["PYTHONPATH"] = os.pathsep.join([*tree, os.path.join(ROOT, "examples"), ROOT])
         proc = subprocess.run(cmd, env=env)

@@ -130,7 +130,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
 sys.path.insert(0, HERE)
-from links import INTERFACE, LOOPBACK, check_link, cluster, kill_tree, launchers, limited_link, start_job  # noqa: E402
+from links import INTERFACE, LOOPBACK, check_link, cluster, job_environ, kill_tree, launchers, limited_link, start_job  # noqa: E402
 from schemes import TORCHRUN, Scheme, describe, parse, print_resolved  # noqa: E402
 
 DEFAULT_SCHEMES = ("compute", "horovod", "horovod-fp16", "ddp", "ddp-powersgd", "safusion", "wfbp", "safusion@0.001")
@@ -500,7 +500,7 @@ def commands(job: Job, model: str, args, prefix: list[str]) -> list[list[str]]:
 
 def launch(job: Job, cmds: list[list[str]]) -> None:
     """Start the job's launchers, each in a session of its own, their output to the job's log."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **parse(job.key).env)
+    env = job_environ(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **parse(job.key).env)
     if job.kind not in TORCHRUN:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_S)
     elif len(cmds) > 1:

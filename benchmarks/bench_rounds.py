@@ -31,7 +31,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import check_link, cluster, launchers, limited_link, run_job  # noqa: E402
+from links import check_link, cluster, job_environ, launchers, limited_link, run_job  # noqa: E402
 
 ROW_BYTES = 8  # a float32 value and an int32 index (horovod_safusion.wire)
 JOB_TIMEOUT_S = 900
@@ -120,7 +120,7 @@ def main() -> None:
                       "--alternations", str(args.alternations), "--rows", *map(str, args.rows)]
         with (cluster(hosts, link) if hosts else limited_link(link)) as prefix:
             codes = run_job(launchers(worker_cmd, False, np_, hosts, prefix), os.path.join(job_out, "log.txt"),
-                            dict(os.environ, OMP_NUM_THREADS="1"), JOB_TIMEOUT_S)
+                            job_environ(OMP_NUM_THREADS="1"), JOB_TIMEOUT_S)
             rc = -1 if codes is None else max(map(abs, codes))
         if rc:
             print(f"{label}, {link}: the job failed ({rc}); see {job_out}/log.txt", file=sys.stderr)

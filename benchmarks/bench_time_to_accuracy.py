@@ -42,7 +42,11 @@ at width 64, 145 k weights, the demo's, which a 100 Mbit/s link holds back; ``--
 same model and link, less 1 accuracy point (digits) or plus 3 % perplexity (LSTM). A scheme's time
 to the target is the training seconds (evaluations excluded and reported apart, so that they are
 charged to no scheme) until its metric first reaches the target; a seed that never does counts as
-missing (``—``).
+missing (``—``). Each worker evaluates its own shard of the held-out set and the ranks' sums are
+added (``bench_convergence.Task``), so an evaluation costs the job one evaluation's work, not one
+per worker. Every job is launched with the driver's environment less the cycle time that
+importing the plugin set in it (``links.job_environ``), so Horovod's and PowerSGD's jobs run with
+their own defaults.
 
 Within a cell jobs run seed by seed, the schemes' order rotating from seed to seed, so that a drift
 of the machine's speed spreads over all schemes; ratios are taken per seed (the same seed's jobs ran
@@ -66,7 +70,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from links import check_link, cluster, launchers, limited_link, run_job as run_launchers  # noqa: E402
+from links import check_link, cluster, job_environ, launchers, limited_link, run_job as run_launchers  # noqa: E402
 from schemes import PerTask, describe, parse, print_resolved  # noqa: E402
 
 SCHEMES = ("horovod", "horovod-fp16", "ddp-powersgd", "safusion", "safusion@auto")  # the default run
@@ -132,16 +136,21 @@ def worker(args) -> None:
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size, leave = dist.get_rank(), dist.get_world_size(), dist.destroy_process_group
+
+        def allsum(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
     else:
         if parse(args.scheme).ours:
             import horovod_safusion  # noqa: F401  imported before hvd.init(), as a user's script does
         import horovod.torch as hvd
+        from bench_convergence import horovod_sum as allsum
         hvd.init()
         rank, size, leave = hvd.rank(), hvd.size(), hvd.shutdown
     torch.set_num_threads(1)
     with open(f"{args.result}.pid{rank}", "w") as f:  # for the driver: a worker reached over ssh is no child of its
         f.write(str(os.getpid()))
-    task = TASKS[args.model](args, rank, size)
+    task = TASKS[args.model](args, rank, size, allsum)
     model, opt, clip = build(args.scheme, task, task.steps_per_epoch() * task.epochs, args)
     t0 = time.perf_counter()
     run = fit(model, opt, clip, task, args.seed, args)
@@ -169,7 +178,7 @@ def run_job(cmds: list[list[str]], result: str, log: str, timeout: float = JOB_T
             env: dict[str, str] | None = None) -> dict:
     """Run one job (its commands side by side), with the label's environment ``env`` (e.g.
     ``PYTHONPATH`` of another tree); its result, or a record of why it failed."""
-    codes = run_launchers(cmds, log, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout,
+    codes = run_launchers(cmds, log, job_environ(OMP_NUM_THREADS="1", **(env or {})), timeout,
                           lambda: worker_pids(result))
     for name in glob.glob(f"{glob.escape(result)}.pid*"):
         os.remove(name)

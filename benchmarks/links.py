@@ -140,6 +140,20 @@ def cluster(hosts: int, link: str | None, option: str = "--hosts"):
             subprocess.run(["bash", CLUSTER, "down"], check=False)
 
 
+def job_environ(**extra: str) -> dict[str, str]:
+    """The environment to launch a benchmark's job with: this driver's, plus ``extra``, less the
+    cycle time that importing the plugin here set (:mod:`horovod_safusion.cycle`; a driver that
+    parses one of our labels imports it). A peer's job must run with Horovod's own default; our
+    jobs set the plugin's again when their worker imports it, and a cycle time the user exported
+    stays."""
+    env = dict(os.environ)
+    cycle = sys.modules.get("horovod_safusion.cycle")
+    if cycle is not None and cycle.set_on_import:
+        env.pop(cycle.ENV, None)
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     """A free TCP port of this host's loopback."""
     with socket.socket() as s:

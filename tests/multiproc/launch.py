@@ -35,12 +35,15 @@ def run(cmd: list[str], timeout: float, env: dict | None = None,
 
 _RANK_LINE = re.compile(r"^\[(\d+)\]<std(?:out|err)>:(.*)$")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+#: Horovod's own error lines (its C++ log: ``[date time: E file:line] ...``), e.g. the background
+#: loop's exception that shuts Horovod down, which every rank's traceback then only echoes.
+_HOROVOD_ERROR = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:.]+: E ")
 
 
 def first_errors(output: str, lines: int = 40) -> str:
-    """Each rank's first Python traceback in a ``horovodrun`` log (its lines prefixed
-    ``[rank]<stderr>:``), up to ``lines`` lines each: the cause of a failed job, which a tail of the
-    log loses when the other ranks' echoes of it come later."""
+    """Each rank's first Horovod error line and first Python traceback in a ``horovodrun`` log (its
+    lines prefixed ``[rank]<stderr>:``), up to ``lines`` lines each: the cause of a failed job,
+    which a tail of the log loses when the other ranks' echoes of it come later."""
     by_rank: dict[int, list[str]] = {}
     for line in output.splitlines():
         m = _RANK_LINE.match(line)
@@ -49,14 +52,16 @@ def first_errors(output: str, lines: int = 40) -> str:
     report = []
     for rank in sorted(by_rank):
         text = by_rank[rank]
+        block = [line for line in text if _HOROVOD_ERROR.match(line)][:1]
         start = next((i for i, line in enumerate(text) if line.startswith("Traceback")), None)
-        if start is None:
-            continue
-        end = next((i for i in range(start + 1, len(text)) if _EXCEPTION.match(text[i])), len(text) - 1)
-        block = text[start:end + 1]
-        if len(block) > lines:
-            block = block[:lines // 2] + ["..."] + block[-(lines // 2):]
-        report.append(f"[rank {rank}]\n" + "\n".join(block))
+        if start is not None:
+            end = next((i for i in range(start + 1, len(text)) if _EXCEPTION.match(text[i])), len(text) - 1)
+            trace = text[start:end + 1]
+            if len(trace) > lines:
+                trace = trace[:lines // 2] + ["..."] + trace[-(lines // 2):]
+            block += trace
+        if block:
+            report.append(f"[rank {rank}]\n" + "\n".join(block))
     return "\n".join(report) if report else "(no rank printed a traceback)"
 
 

@@ -15,11 +15,15 @@ import time
 import traceback
 import warnings
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
-import horovod.torch as hvd
+# The device path's scenario runs the Triton kernels through their interpreter; Triton reads this
+# when it is first imported, which an earlier scenario may do (pytest's conftest sets it too).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+import horovod.torch as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
@@ -415,7 +419,6 @@ def scenario_device_path():
     from horovod_safusion import kernels as paths
 
     saved = {k: os.environ.get(k) for k in ("HOROVOD_SAFUSION_DEVICE_PATH", "HOROVOD_SAFUSION_KERNELS")}
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
     try:
         for kernels in ("torch", "triton"):
             os.environ["HOROVOD_SAFUSION_DEVICE_PATH"], os.environ["HOROVOD_SAFUSION_KERNELS"] = "1", kernels

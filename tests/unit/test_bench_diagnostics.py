@@ -32,6 +32,29 @@ def test_evaluation_steps():
     assert bench.lag_steps(66) == [11, 22, 44, 66] and bench.lag_steps(6) == [6]
 
 
+@pytest.mark.parametrize("task", ["digits", "lstm"])
+def test_evaluation_shards_add_up_to_the_whole_set(task):
+    """Three ranks' shards (contiguous, sizes within one of each other) cover every held-out item
+    once, and their summed (sum, count) give the metric of the whole set; the metric matches the
+    examples' own accuracy on the digits."""
+    from digits import accuracy
+
+    args, same = options(), (lambda t: t)
+    whole = bench.TASKS[task](args, 0, 1, same)
+    torch.manual_seed(0)
+    model = whole.model().eval()
+    with torch.no_grad():
+        parts = [bench.TASKS[task](args, r, 3, same) for r in range(3)]
+        sums = [p.shard_sums(model) for p in parts]
+        total, count = (sum(s[i] for s in sums) for i in (0, 1))
+        expected = whole.shard_sums(model)
+    assert torch.equal(torch.cat([p.shard(101) for p in parts]), torch.arange(101))
+    assert total == pytest.approx(expected[0], rel=1e-9) and count == expected[1]
+    assert max(s[1] for s in sums) - min(s[1] for s in sums) <= (whole.bptt if task == "lstm" else 1)
+    if task == "digits":
+        assert whole.evaluate(model) == pytest.approx(accuracy(model, whole.x_te, whole.y_te))
+
+
 # sparse from the first step (the benchmark's default critical regimes would send these steps dense)
 @pytest.mark.parametrize("key", ["horovod", "safusion@0.05+classic:critical_regimes=none",
                                  "safusion@0.05:critical_regimes=none", "safusion@0.05+mc:critical_regimes=none"])
@@ -39,7 +62,7 @@ def test_diagnostics_change_nothing(hvd, key):
     runs = {}
     for diagnostics in (False, True):
         args = options(steps=5, eval_every=2, diagnostics=diagnostics)
-        task = bench.Digits(args, hvd.rank(), hvd.size())
+        task = bench.Digits(args, hvd.rank(), hvd.size(), bench.horovod_sum)
         model, opt, clip = bench.build(key, task, 0, 5, args)
         run = bench.fit(model, opt, clip, task, 0, args)
         runs[diagnostics] = (run, [p.detach().clone() for p in model.parameters()])
