@@ -679,12 +679,16 @@ def scenario_wire_before_profile():
 def scenario_agreed_repetitions():
     """A dense allreduce of the profile is timed once where its warm-up was slow on the fastest
     rank, ``reps`` times otherwise, on every rank alike (the same collectives), whatever each rank
-    measured itself."""
+    measured itself. The bar is raised for the test so that a loaded machine's stall of a few
+    hundred milliseconds on every rank at once does not pass for a slow warm-up, and the ranks
+    start each case together (a sleeping rank of the case before would be waited for)."""
     from horovod_safusion import sweeps
     from horovod_safusion.clock import Clock
 
     counts = {}
+    bar, sweeps.ONE_RUN_S = sweeps.ONE_RUN_S, 0.5
     for case, sleepers in (("all_slow", range(hvd.size())), ("one_slow", [0]), ("none_slow", [])):
+        hvd.allreduce(torch.zeros(1), name=f"agreed.{case}.start")
         calls = []
 
         def run():
@@ -694,6 +698,7 @@ def scenario_agreed_repetitions():
                 time.sleep(2 * sweeps.ONE_RUN_S)
         sweeps.time_collective(run, Clock(torch.device("cpu")), 2, f"agreed.{case}", hvd.global_process_set)
         counts[case] = len(calls)
+    sweeps.ONE_RUN_S = bar
     return counts
 
 
