@@ -62,7 +62,7 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
                            None if is_auto(options.density) else options.density)
     correction = options.momentum_correction is True or (
         options.momentum_correction == AUTO and not options.ef21 and not comp.dense and comp.density < 1.0
-        and comp.auto_momentum_correction and takes_over_momentum(opt))
+        and options.dense is not True and comp.auto_momentum_correction and takes_over_momentum(opt))
     check_momentum(opt, correction, options.ef21)
     masking = options.momentum_correction is True if options.momentum_masking is None else options.momentum_masking
     densities = density_candidates(planner, comp, options.density)

@@ -83,7 +83,7 @@ class Options:
         ``synchronize()`` bounds what it bounds without the plugin. ``"auto"`` (the default): on
         for an SGD with momentum (no ``dampening``, no ``maximize``) whose gradients are
         sparsified, off otherwise (other optimizers, ``compressor="none"`` or ``"exdyna"``,
-        ``error_feedback="ef21-sgdm"``). ``True`` needs an SGD with ``momentum > 0``; anything else
+        ``dense=True``, ``error_feedback="ef21-sgdm"``). ``True`` needs an SGD with ``momentum > 0``; anything else
         is then an error, so momentum is never applied twice. ``False``: classic error feedback
         under the SGD's own momentum.""")
     momentum_masking: Any = _option(None, """

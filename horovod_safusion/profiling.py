@@ -168,12 +168,15 @@ class OnlineProfiler:
                                                or (self.trial is not None and not self.trial.done))
 
     def initial_plan(self) -> FusionPlan:
-        """The planner's plan if it needs no measurements, else one buffer per tensor."""
+        """The planner's plan if it needs no measurements, else one buffer per tensor: sent dense
+        where the planner was told to send dense (``dense=True``), so that such a job is Horovod's
+        dense average from its first step, not only from its profiled plan on."""
         if not self.planner.needs_profile:
             return self.planner.plan(self.tensors)
         if self.profile is not None:
             return self.planner.plan(self.tensors, self.profile)
-        return FusionPlan([[t.name] for t in self.tensors], order=self.planner.order, planner="provisional")
+        return FusionPlan([[t.name] for t in self.tensors], order=self.planner.order, planner="provisional",
+                          dense=getattr(self.planner, "dense_choice", None) is True)
 
     def restart(self) -> None:
         """Profile again from the next step on (after ``settle_steps``), on the current plan: after

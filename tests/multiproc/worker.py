@@ -94,7 +94,8 @@ def scenario_dense_equality():
 
 def scenario_dense_choice():
     """fusion="safusion" prices a dense allreduce, settles it by a measured trial on every rank
-    alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients after the profile.
+    alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients and parameters from
+    the first step.
     Without critical regimes, whose dense intervals the trial waits out (unit-tested), so that the
     trial falls within these few steps."""
     out = {}
@@ -124,27 +125,28 @@ def scenario_dense_choice():
         switched.append(opt.last_stats.bytes_sent > 0 and opt.communicator.name)
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.sw")
     out["switched"] = {"sent_over": switched, "replicas_equal": all(np.array_equal(every[0], e) for e in every[1:])}
+    # forced dense: Horovod's average from the first step (the provisional plan too), under the
+    # SGD's own momentum (no correction: nothing is ever sparse)
     ref_m, our_m = make(), make()
-    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1), named_parameters=ref_m.named_parameters())
-    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1), named_parameters=our_m.named_parameters(),
-                                    profile_steps=2, dense=True)
-    diffs = []
+    ref = hvd.DistributedOptimizer(torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=ref_m.named_parameters())
+    ours = saf.DistributedOptimizer(torch.optim.SGD(our_m.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=our_m.named_parameters(), profile_steps=2, dense=True)
+    diffs, param_diffs, plans = [], [], []
     for step in range(6):
         x, y = batch(step)
         for mod, o in ((ref_m, ref), (our_m, ours)):
             o.zero_grad()
             F.cross_entropy(mod(x), y).backward()
             o.synchronize()
-        sent_dense = ours.plan.dense
-        if sent_dense:
-            diffs.append(max_diff(grads(ref_m), grads(our_m)))
+        plans.append(ours.plan.planner)
+        diffs.append(max_diff(grads(ref_m), grads(our_m)))
         for o in (ref, ours):
             with o.skip_synchronize():
                 o.step()
-        if not sent_dense:  # the profile's sparse steps moved our parameters: start alike again
-            our_m.load_state_dict(ref_m.state_dict())
-            ours.residuals.load_state_dict({})  # (the first dense step would send them along)
-    out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs}
+        param_diffs.append(max(float((a - b).abs().max()) for a, b in zip(ref_m.parameters(), our_m.parameters())))
+    out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs, "param_diffs": param_diffs, "plans": plans,
+                     "momentum_correction": ours.momentum_correction}
     return out
 
 
