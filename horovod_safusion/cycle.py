@@ -10,13 +10,19 @@ back-propagation produces them. This plugin submits one collective per fusion bu
 that communication hides behind back-propagation (SAFusion §3.3), so a longer cycle delays each
 buffer by at most one cycle while the thread costs the training core less.
 
-``bench_peers`` measures both sides (``safusion:HOROVOD_CYCLE_TIME=1`` against the default);
-docs/benchmarks.md, "Horovod's cycle time", has the measurements.
+That trade pays only where the workers of a host share its cores: there the background threads'
+CPU is taken from training, and a longer cycle gives it back. Where each worker has a core of its
+own, the thread costs training little, and the longer cycle's wait shows in every short step. So
+the package lengthens the cycle only where the host's workers outnumber its logical CPUs
+(:func:`shares_cores`); elsewhere Horovod keeps its own 1 ms. The number of workers on the host
+comes from the launcher's environment (:data:`LOCAL_SIZE`: ``horovodrun``'s, Open MPI's, MPICH's);
+a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
+measurements on both sides.
 
 Horovod reads the variable once, in ``hvd.init()``. Importing this package sets it, unless the
 user chose a cycle time already (``HOROVOD_CYCLE_TIME``, which ``horovodrun --cycle-time-ms``
-sets too), Horovod's autotuner is on (``HOROVOD_AUTOTUNE``, which tunes the cycle time itself), or
-Horovod is already initialised (then the job keeps Horovod's).
+sets too), Horovod's autotuner is on (``HOROVOD_AUTOTUNE``, which tunes the cycle time itself),
+Horovod is already initialised (then the job keeps Horovod's), or the workers do not share cores.
 """
 from __future__ import annotations
 
@@ -24,24 +30,46 @@ import os
 import re
 from typing import Mapping, MutableMapping
 
-#: The cycle time (ms) this package gives Horovod unless told otherwise.
+#: The cycle time (ms) this package gives Horovod where the host's workers share its cores.
 CYCLE_TIME_MS = 5.0
 
 ENV = "HOROVOD_CYCLE_TIME"
+
+#: Where launchers say how many workers run on this host: ``horovodrun`` (Gloo), Open MPI
+#: (``mpirun``, ``horovodrun --mpi``), MPICH's Hydra. The first one set counts.
+LOCAL_SIZE = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 #: What :func:`set_default` answered when the package was imported (``None``: the import has not
 #: got that far), so that ``doctor`` can tell who chose the cycle time in force.
 set_on_import: bool | None = None
 
 
-def set_default(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Give Horovod :data:`CYCLE_TIME_MS` through ``environ`` where nobody chose a cycle time and
-    ``hvd.init()`` has not run yet. Returns whether it did."""
+def set_default(environ: MutableMapping[str, str] = os.environ, cpus: int | None = None) -> bool:
+    """Give Horovod :data:`CYCLE_TIME_MS` through ``environ`` where nobody chose a cycle time,
+    ``hvd.init()`` has not run yet and the host's workers share its ``cpus`` (default: the
+    host's logical CPUs). Returns whether it did."""
     import horovod.torch as hvd  # here, not above: ``doctor`` reads this module where Horovod is broken
-    if ENV in environ or autotune(environ) or hvd.is_initialized():
+    if ENV in environ or autotune(environ) or hvd.is_initialized() or not shares_cores(environ, cpus):
         return False
     environ[ENV] = f"{CYCLE_TIME_MS:g}"
     return True
+
+
+def local_workers(environ: Mapping[str, str]) -> int:
+    """The workers on this host, as the launcher's environment says (:data:`LOCAL_SIZE`); 1
+    where none says (a process launched on its own)."""
+    for name in LOCAL_SIZE:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def shares_cores(environ: Mapping[str, str], cpus: int | None = None) -> bool:
+    """Whether the host's workers outnumber its logical CPUs (``cpus``, default
+    ``os.cpu_count()``). The host's count, not this process's affinity: a launcher that binds
+    each worker to a core of its own narrows the affinity without sharing anything."""
+    return local_workers(environ) > (cpus if cpus is not None else os.cpu_count() or 1)
 
 
 def autotune(environ: Mapping[str, str]) -> bool:

@@ -252,15 +252,21 @@ def judge_cycle(environ: Mapping[str, str], set_on_import: bool | None) -> Findi
     """Who chose Horovod's cycle time (:mod:`.cycle`): the package on import, the user, Horovod's
     autotuner, or nobody (Horovod's default)."""
     value = environ.get(cycle.ENV)
+    workers, cpus = cycle.local_workers(environ), os.cpu_count()
     if set_on_import:
-        return Finding("cycle time", OK, f"{value} ms, set by horovod_safusion on import (its default; "
-                       f"{cycle.ENV} chooses another)")
+        return Finding("cycle time", OK, f"{value} ms, set by horovod_safusion on import ({workers} workers on "
+                       f"this host share {cpus} logical CPUs; {cycle.ENV} chooses another)")
     if value is not None:
         return Finding("cycle time", OK, f"{value} ms, set by you ({cycle.ENV}={value})")
     if cycle.autotune(environ):
         return Finding("cycle time", OK, f"tuned by Horovod's autotuner (HOROVOD_AUTOTUNE="
                        f"{environ['HOROVOD_AUTOTUNE']})")
-    why = "horovod_safusion did not import" if set_on_import is None else "Horovod was initialised first"
+    if set_on_import is None:
+        why = "horovod_safusion did not import"
+    elif cycle.shares_cores(environ):
+        why = "Horovod was initialised first"
+    else:
+        why = f"{workers} worker{'s' if workers > 1 else ''} on this host, {cpus} logical CPUs: none shared"
     return Finding("cycle time", OK, f"Horovod's default, 1 ms ({why})")
 
 

@@ -16,10 +16,11 @@ WORKER_MODULES = ("bench_convergence", "bench_time_to_accuracy", "bench_peers", 
                   "bench_rounds")
 
 
-def python(code: str, cycle_time: str | None = None) -> str:
+def python(code: str, cycle_time: str | None = None, **extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "HOROVOD_CYCLE_TIME"}
     if cycle_time is not None:
         env["HOROVOD_CYCLE_TIME"] = cycle_time
+    env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join([BENCHMARKS, ROOT])
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,6 +38,7 @@ def test_a_peers_worker_module_leaves_horovods_cycle_time(module):
 def test_jobs_are_launched_without_the_cycle_time_the_drivers_import_set(exported, launched):
     out = python("import os; from schemes import parse; from links import job_environ; parse('safusion'); "
                  "print(os.environ.get('HOROVOD_CYCLE_TIME'), job_environ(X='1').get('HOROVOD_CYCLE_TIME'), "
-                 "job_environ(X='1')['X'])", exported)
+                 "job_environ(X='1')['X'])", exported,
+                 HOROVOD_LOCAL_SIZE=str((os.cpu_count() or 1) + 1))  # a host whose workers share its CPUs
     driver = "5" if exported is None else exported  # the plugin's import set its own, or kept the user's
     assert out == f"{driver} {launched} 1"

@@ -22,7 +22,7 @@ from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, 
 def run_doctor(*args: str, pythonpath: str = "", **env: str) -> subprocess.CompletedProcess:
     """``python -m horovod_safusion doctor ARGS`` in a fresh interpreter, with no cycle time or
     autotuner chosen unless ``env`` chooses one, and ``pythonpath`` first on the path."""
-    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE")}
+    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE", *cycle.LOCAL_SIZE)}
     if pythonpath:
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "horovod_safusion", "doctor", *args], env={**environ, **env},
@@ -45,7 +45,8 @@ def test_doctor_reports_this_environment():
     assert f"{torch.__version__}; " in line(out, "torch")
     assert re.search(r"CPU kernels (compiled and cached|not cached)", line(out, "numba"))
     assert "triton" in out
-    assert f"{cycle.CYCLE_TIME_MS:g} ms, set by horovod_safusion on import" in line(out, "cycle time")
+    # a process launched on its own is one worker, with a CPU of its own
+    assert "Horovod's default, 1 ms (1 worker on this host" in line(out, "cycle time")
     assert re.search(r"^\d+ ok, \d+ warning\(s\), 0 fatal: the plugin can run here$", out, re.MULTILINE)
 
 
@@ -55,6 +56,14 @@ def test_the_readme_shows_what_doctor_reports():
     shown = readme.split("$ python -m horovod_safusion doctor\n", 1)[1].split("```", 1)[0]
     names = re.compile(r"^(?:ok|warning|fatal)\s+(\S.*?)\s{2,}", re.MULTILINE)
     assert names.findall(run_doctor().stdout) == names.findall(shown) != []
+
+
+def test_the_cycle_time_set_where_the_hosts_workers_share_its_cpus():
+    crowded = str((os.cpu_count() or 1) + 1)
+    run = run_doctor(HOROVOD_LOCAL_SIZE=crowded)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (f"{cycle.CYCLE_TIME_MS:g} ms, set by horovod_safusion on import ({crowded} workers on this host share "
+            f"{os.cpu_count()} logical CPUs") in line(run.stdout, "cycle time")
 
 
 def test_the_cycle_time_you_chose_is_yours():
@@ -135,14 +144,18 @@ def test_findings_from_facts(finding, level, says):
     assert bool(finding.advice) == (level != OK)
 
 
+CROWDED = {"HOROVOD_LOCAL_SIZE": str((os.cpu_count() or 1) + 1)}  # one worker more than the host's CPUs
+
+
 @pytest.mark.parametrize("environ, set_on_import, says", [
     ({cycle.ENV: "5"}, True, "5 ms, set by horovod_safusion on import"),
     ({cycle.ENV: "3"}, False, "3 ms, set by you (HOROVOD_CYCLE_TIME=3)"),
     ({cycle.ENV: "3", "HOROVOD_AUTOTUNE": "1"}, False, "set by you"),  # Horovod keeps a chosen cycle time fixed
     ({"HOROVOD_AUTOTUNE": "1"}, False, "Horovod's autotuner (HOROVOD_AUTOTUNE=1)"),
-    ({"HOROVOD_AUTOTUNE": "0"}, False, "Horovod was initialised first"),
+    ({"HOROVOD_AUTOTUNE": "0", **CROWDED}, False, "Horovod was initialised first"),
+    ({"HOROVOD_LOCAL_SIZE": "1"}, False, "1 worker on this host"),
     ({}, None, "horovod_safusion did not import"),
-], ids=["package", "user", "user and autotuner", "autotuner", "initialised first", "package broken"])
+], ids=["package", "user", "user and autotuner", "autotuner", "initialised first", "a CPU each", "package broken"])
 def test_who_chose_the_cycle_time(environ, set_on_import, says):
     finding = judge_cycle(environ, set_on_import)
     assert finding.level == OK and says in finding.found
