@@ -72,8 +72,9 @@ class Options:
         with ``fusion="safusion"``, whether to send dense with Horovod's allreduce instead of
         sparsifying: ``"auto"`` (the default) prices both from the profile, tries both for a few
         steps when the predictions are close, and keeps the faster (on a fast link, or for a small
-        model, a dense allreduce can win); ``True`` always sends dense, ``False`` never. Rank 0
-        says on standard error when it sends dense.""")
+        model, a dense allreduce can win); ``True`` always sends dense, from the first step, under
+        the SGD's own momentum (Horovod's average), ``False`` never. Rank 0 says on standard error
+        when it sends dense.""")
     momentum_correction: Any = _option(AUTO, """
         DGC's momentum correction (Lin et al., ICLR'18, §3.2): the wrapped ``torch.optim.SGD``'s
         momentum (and weight decay, and Nesterov) is accumulated per worker *before*

@@ -5,7 +5,8 @@ compression time by online profiling." The profiler (:mod:`horovod_safusion.prof
 at the end of its last profiled step, on every rank at the same point, and turns them into the
 cost curves of a :class:`~horovod_safusion.fusion.Profile`. Each sweep is given what it times —
 a compressor, a communicator, a wire compression — and the dtype and device of the data, never
-the controller.
+the controller. Their random data come from a generator of their own (:func:`noise`), so the
+user's random stream (dropout, augmentation) is the one it would be without the plugin.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ PRUNE_MARGIN = 1.25
 GIVE_UP = 1.5
 
 T = TypeVar("T")
+
+
+def noise(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``numel`` normal values for a sweep's data, drawn from a generator of the sweeps' own
+    (seeded alike on every rank), never from torch's default one, which the user's job draws
+    its dropout and augmentation from."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(numel, dtype=dtype, device=device, generator=generator)
 
 
 class Stopwatch:
@@ -109,7 +118,7 @@ def sweep_source(flats: Sequence[torch.Tensor | None], numel: int, dtype: torch.
     largest = max(held, key=lambda f: f.numel(), default=None)
     if largest is not None and largest.numel() >= numel:
         return largest
-    return torch.randn(numel, dtype=dtype, device=device)
+    return noise(numel, dtype, device)
 
 
 def compression_sweep(compressor: Compressor, numels: Sequence[int], source: torch.Tensor,
@@ -205,7 +214,7 @@ def communication_sweep(communicator: Communicator, tensors: Sequence[TensorInfo
     for j in range(len(counts)) if points is None else points:
         count = counts[j]
         numel = count if dense or density >= 1.0 else max(count, int(count / density))
-        values = torch.randn(count, dtype=dtype, device=device)
+        values = noise(count, dtype, device)
         stride = numel // count
         # every rank its own indices (disjoint while the stride exceeds P): what the ranks select
         # overlaps little at low density, and a protocol that aggregates on the way (SparDL, ZEN)
@@ -297,7 +306,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
             nbytes.append(float(count * element))
             seconds.append(largest_s)
             continue
-        dense = torch.randn(count, dtype=dtype, device=device)
+        dense = noise(count, dtype, device)
 
         def run() -> None:
             sent, ctx = compression.compress(dense)

@@ -264,6 +264,8 @@ def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
         assert r["auto"]["plan_communicator"] == recs[0]["auto"]["plan_communicator"]
         assert r["auto"]["sends_over"] == r["auto"]["plan_communicator"] or r["auto"]["dense"], r["auto"]
         assert r["switched"] == {"sent_over": ["zen", "allgather"], "replicas_equal": True}, r["switched"]
+        # the profile's sweeps drew their data from a generator of their own, not the user's stream
+        assert r["auto"]["rng_untouched"], r["auto"]
         # forced dense: Horovod's dense allreduce from the first step, the provisional plan's steps
         # and the profiled plan's, bit for bit with 2 workers (a + b in any order), under the
         # SGD's own momentum

@@ -102,6 +102,7 @@ def scenario_dense_choice():
     m = make()
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                    profile_steps=2, critical_regimes=None)
+    user_stream = torch.get_rng_state()  # the model draws nothing: only the plugin could
     for step in range(TRIAL_LENGTH):  # warm-up, profile, and a trial's blocks
         x, y = batch(step)
         opt.zero_grad()
@@ -109,6 +110,7 @@ def scenario_dense_choice():
         opt.step()
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
     out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled,
+                   "rng_untouched": torch.equal(user_stream, torch.get_rng_state()),
                    "priced": opt.profile.dense_allreduce is not None,
                    "communicators": sorted(opt.profile.communicators), "pruned": opt.profile.meta["pruned"],
                    "plan_communicator": opt.plan.communicator,
