@@ -14,7 +14,7 @@ That trade pays only where the workers of a host share its cores: there the back
 CPU is taken from training, and a longer cycle gives it back. Where each worker has a core of its
 own, the thread costs training little, and the longer cycle's wait shows in every short step. So
 the package lengthens the cycle only where the host's workers outnumber its logical CPUs
-(:func:`shares_cores`); elsewhere Horovod keeps its own 1 ms. The number of workers on the host
+(:func:`shares_cores`); elsewhere Horovod keeps its own default. The number of workers on the host
 comes from the launcher's environment (:data:`LOCAL_SIZE`: ``horovodrun``'s, Open MPI's, MPICH's);
 a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
 measurements on both sides.
