@@ -44,12 +44,12 @@ LOCAL_SIZE = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRAN
 set_on_import: bool | None = None
 
 
-def set_default(environ: MutableMapping[str, str] = os.environ, cpus: int | None = None) -> bool:
+def set_default(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Give Horovod :data:`CYCLE_TIME_MS` through ``environ`` where nobody chose a cycle time,
-    ``hvd.init()`` has not run yet and the host's workers share its ``cpus`` (default: the
-    host's logical CPUs). Returns whether it did."""
+    ``hvd.init()`` has not run yet and the host's workers share its CPUs (:func:`shares_cores`).
+    Returns whether it did."""
     import horovod.torch as hvd  # here, not above: ``doctor`` reads this module where Horovod is broken
-    if ENV in environ or autotune(environ) or hvd.is_initialized() or not shares_cores(environ, cpus):
+    if ENV in environ or autotune(environ) or hvd.is_initialized() or not shares_cores(environ):
         return False
     environ[ENV] = f"{CYCLE_TIME_MS:g}"
     return True
