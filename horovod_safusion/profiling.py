@@ -176,7 +176,7 @@ class OnlineProfiler:
         if self.profile is not None:
             return self.planner.plan(self.tensors, self.profile)
         return FusionPlan([[t.name] for t in self.tensors], order=self.planner.order, planner="provisional",
-                          dense=getattr(self.planner, "dense_choice", None) is True)
+                          dense=self.planner.dense_choice is True)
 
     def restart(self) -> None:
         """Profile again from the next step on (after ``settle_steps``), on the current plan: after

@@ -146,7 +146,7 @@ def scenario_dense_choice():
         for o in (ref, ours):
             with o.skip_synchronize():
                 o.step()
-        param_diffs.append(max(float((a - b).abs().max()) for a, b in zip(ref_m.parameters(), our_m.parameters())))
+        param_diffs.append(max_diff(ref_m.parameters(), our_m.parameters()))
     out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs, "param_diffs": param_diffs, "plans": plans,
                      "momentum_correction": ours.momentum_correction}
     return out
