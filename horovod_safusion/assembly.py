@@ -66,7 +66,8 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
     check_momentum(opt, correction, options.ef21)
     masking = options.momentum_correction is True if options.momentum_masking is None else options.momentum_masking
     densities = density_candidates(planner, comp, options.density)
-    comms = make_communicators(options.communicator, comp.dense, opt.process_set, opt._compression)
+    comms = make_communicators(options.communicator, comp.dense, opt.process_set, opt._compression,
+                               sends_dense=options.dense is True)
     profiler = OnlineProfiler(planner, [tensor_info(n, p) for n, p in named], {n: p.dtype for n, p in named},
                               opt.process_set, profile_steps=options.profile_steps, replan_every=options.replan_every)
     prescale, postscale = ((1.0 / opt.gradient_predivide_factor, opt.gradient_predivide_factor)

@@ -166,7 +166,7 @@ class Controller:
         if name is None or name == self.communicator.name:
             return
         if name not in self.communicators:
-            also = " or 'auto'" if name in AUTO_SPARSE else ""
+            also = " or 'auto', without dense=True" if name in AUTO_SPARSE else ""
             raise ValueError(f"the fusion plan sends over communicator {name!r}, which this optimizer does not "
                              f"hold; it holds {sorted(self.communicators)} (pass communicator={name!r}{also})")
         self.communicator = self.sender.communicator = self.communicators[name]

@@ -92,7 +92,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         parts = assemble(self, options, groups, self._named_trainable, self._parameter_names)
         self._planner, self._profiler, self._controller = parts.planner, parts.profiler, parts.controller
         self._momentum_correction = parts.momentum_correction
-        if not parts.compressor.dense:  # loaded while the first steps, dense, wait for the link
+        if not parts.compressor.dense and options.dense is not True:  # loaded while the first steps wait
             loading.load(p.dtype for _, p in self._named_trainable if p.device.type == "cpu")
         self._start(parts.compressor, parts.communicators, make_recorder(options.timeline))
 

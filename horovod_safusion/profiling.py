@@ -275,22 +275,29 @@ class OnlineProfiler:
         numels = [t.numel for t in tensors]
         took: dict[str, float] = {}  # each sweep's seconds, for meta["sweeps_s"] (the slowest rank's)
         timed = sweeps.Stopwatch(took)
-        loading.wait()  # no kernel loading beside the compressor's timing
-        source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
-        cp_sizes, cp_secs, per_segment = timed(
-            "compression", lambda: sweeps.compression_sweep(comp, numels, source, controller.target_density))
         # one worker has no link to price: it keeps sparsifying as each worker of a job does
         linked = not comp.dense and not comm.dense and process_set.size() > 1
-        candidates = controller.densities if linked and self.planner.chooses_density else ()
+        priced = linked and self.planner.prices_dense
+        # dense=True prices its dense plan alone: no selection or sparse collective to time
+        only_dense = priced and self.planner.dense_choice is True
+        if only_dense:
+            cp_sizes, cp_secs, per_segment = sweeps.uncompressed(numels, dtype)
+        else:
+            loading.wait()  # no kernel loading beside the compressor's timing
+            source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
+            cp_sizes, cp_secs, per_segment = timed(
+                "compression", lambda: sweeps.compression_sweep(comp, numels, source, controller.target_density))
+        candidates = controller.densities if linked and self.planner.chooses_density and not only_dense else ()
         at_density = timed("densities", lambda: [sweeps.compression_sweep(comp, numels, source, d)
                                                  for d in candidates]) if candidates else []
-        del source
-        chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1
+        source = None  # the sweep's data, where it had its own, released
+        chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1 \
+            and not only_dense
         choices = contenders(controller.communicators, process_set.size(), comm.name) if chooses else {comm.name: comm}
         # the message sizes of the densest candidate: the curves price every candidate's messages
-        swept, pruned = sweeps.communicator_sweeps(choices, tensors, max((controller.target_density, *candidates)),
-                                                   dtype, device, comm.name, process_set, timed)
-        priced = linked and self.planner.prices_dense
+        swept, pruned = ({}, {}) if only_dense else sweeps.communicator_sweeps(
+            choices, tensors, max((controller.target_density, *candidates)), dtype, device, comm.name,
+            process_set, timed)
         # the largest size's float32 time is the wire's, where that was timed (the same compression)
         known = self._wire[1] if self._wire is not None else None
         dense_bytes, dense_secs = timed("dense_allreduce", lambda: sweeps.dense_allreduce_sweep(
@@ -312,6 +319,7 @@ class OnlineProfiler:
                                   "dense_allreduce": dense_secs},
                                  hvd.Min, "saf.profile.min", process_set)
         curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
+        dense_curve = CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None
         ready, cp_secs = slowest["ready"], slowest["compress"]
         prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
         buffer_cost = slowest["buffer_cost"][0]
@@ -322,10 +330,10 @@ class OnlineProfiler:
         return Profile(
             tensors=[tensors[i] for i in order], ready=[ready[i] for i in order], prefix=prefix, suffix=suffix,
             compress=CostCurve(cp_sizes, cp_secs), segment_cost=per_segment, buffer_cost=buffer_cost,
-            communicate=curves[comm.name],
+            communicate=dense_curve if only_dense else curves[comm.name],
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(),
-            dense_allreduce=CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None,
+            dense_allreduce=dense_curve,
             communicators=curves if chooses else {}, densities=densities,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps,

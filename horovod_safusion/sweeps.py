@@ -133,15 +133,23 @@ def compression_sweep(compressor: Compressor, numels: Sequence[int], source: tor
     because the controller selects a whole buffer in one pass. The first two are a
     :class:`~horovod_safusion.fusion.CostCurve`'s points.
     """
+    if compressor.dense:
+        return uncompressed(numels, source.dtype)
     swept = sizes(min(numels), max(numels))
     element = source.element_size()
-    if compressor.dense:
-        return [n * element for n in swept], [0.0] * len(swept), 0.0
     seconds = [time_compression(compressor, source, (n,), density) for n in swept]
     n = min(max(16, int(np.median(numels)) * 16), source.numel())
     per_segment = max(0.0, (time_compression(compressor, source, (n // 16,) * 16, density)
                             - time_compression(compressor, source, (n // 16 * 16,), density)) / 15)
     return [n * element for n in swept], seconds, per_segment
+
+
+def uncompressed(numels: Sequence[int], dtype: torch.dtype) -> tuple[list[int], list[float], float]:
+    """:func:`compression_sweep`'s curve where nothing is selected (a dense compressor, or a job
+    that sends dense, ``dense=True``): no seconds at any size, none per segment; timed by nobody."""
+    swept = sizes(min(numels), max(numels))
+    element = torch.empty((), dtype=dtype).element_size()
+    return [n * element for n in swept], [0.0] * len(swept), 0.0
 
 
 def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str | None = None,

@@ -321,12 +321,16 @@ def contenders(communicators: Mapping[str, Communicator], workers: int, active: 
 
 
 def make_communicators(spec: "str | Communicator", dense_compressor: bool, process_set: Any,
-                       compression: Any) -> dict[str, Communicator]:
+                       compression: Any, sends_dense: bool = False) -> dict[str, Communicator]:
     """Resolve ``communicator=`` into the communicators a job may send over, by name, the first in
     use from the start: the one named or given, or for ``"auto"`` Horovod's allreduce for a
-    dense compressor and :data:`AUTO_SPARSE` otherwise."""
+    dense compressor and :data:`AUTO_SPARSE` otherwise. A job that sends dense throughout
+    (``sends_dense``: ``dense=True``) chooses no communicator: ``"auto"`` holds the first of
+    :data:`AUTO_SPARSE` alone, so that no other one is set up (ZEN's rounds build a process
+    group of their own and probe it)."""
     if isinstance(spec, Communicator):
         return {spec.name: spec.bind(process_set, compression)}
-    names = (spec,) if spec != "auto" else ("allreduce",) if dense_compressor else AUTO_SPARSE
+    names = (spec,) if spec != "auto" else ("allreduce",) if dense_compressor \
+        else AUTO_SPARSE[:1] if sends_dense else AUTO_SPARSE
     return {name: COMMUNICATORS.get(name, also=("auto",))(process_set=process_set, compression=compression)
             for name in names}

@@ -274,3 +274,6 @@ def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
         assert forced["plans"][0] == "provisional" and forced["plans"][-1] != "provisional", forced
         tol = 0.0 if len(recs) == 2 else 1e-6
         assert max(forced["grad_diffs"]) <= tol and max(forced["param_diffs"]) <= tol, forced
+        # nothing selected, no communicator chosen: neither is timed, nor ZEN held
+        assert forced["sweeps"] == ["dense_allreduce"] and forced["priced"] == [], forced
+        assert forced["held"] == ["allgather"], forced

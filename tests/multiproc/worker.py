@@ -95,7 +95,7 @@ def scenario_dense_equality():
 def scenario_dense_choice():
     """fusion="safusion" prices a dense allreduce, settles it by a measured trial on every rank
     alike; forced dense (dense=True) gives hvd.DistributedOptimizer's gradients and parameters from
-    the first step.
+    the first step, and its profile times the dense allreduce alone.
     Without critical regimes, whose dense intervals the trial waits out (unit-tested), so that the
     trial falls within these few steps."""
     out = {}
@@ -148,7 +148,9 @@ def scenario_dense_choice():
                 o.step()
         param_diffs.append(max_diff(ref_m.parameters(), our_m.parameters()))
     out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs, "param_diffs": param_diffs, "plans": plans,
-                     "momentum_correction": ours.momentum_correction}
+                     "momentum_correction": ours.momentum_correction,
+                     "sweeps": sorted(ours.profile.meta["sweeps_s"]), "priced": sorted(ours.profile.communicators),
+                     "held": sorted(ours._controller.communicators)}
     return out
 
 

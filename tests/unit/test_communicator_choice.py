@@ -129,7 +129,7 @@ def test_a_plan_naming_a_communicator_the_job_does_not_hold_is_a_clear_error(hvd
     m = model()
     opt = make(m, communicator="allgather")
     with pytest.raises(ValueError, match=r"communicator 'zen', which this optimizer does not hold; it holds "
-                                         r"\['allgather'\] \(pass communicator='zen' or 'auto'\)"):
+                                         r"\['allgather'\] \(pass communicator='zen' or 'auto', without dense=True\)"):
         opt.set_plan(dataclasses.replace(opt.plan, communicator="zen"))
     assert opt.communicator.name == "allgather"
 

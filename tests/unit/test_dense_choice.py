@@ -69,6 +69,22 @@ def test_bad_dense_values_name_the_value_and_the_accepted_ones(hvd):
                              fusion="wfbp", dense=False)
 
 
+def test_forced_dense_neither_loads_the_selection_kernels_nor_holds_contenders(hvd, monkeypatch):
+    """dense=True never selects: the optimizer does not load the host kernels beside its first
+    steps, and ``communicator="auto"`` holds one communicator, so that ZEN's rounds are not set up
+    (a process group of their own, probed). The default does both."""
+    from horovod_safusion import optimizer
+    loads = []
+    monkeypatch.setattr(optimizer.loading, "load", lambda dtypes: loads.append(list(dtypes)))
+    m = DigitsCNN(width=4)
+    forced = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                      dense=True)
+    assert loads == [] and sorted(forced._controller.communicators) == ["allgather"]
+    default = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    assert loads == [[torch.float32] * len(list(m.parameters()))]
+    assert sorted(default._controller.communicators) == ["allgather", "zen"]
+
+
 def run_trial(trial: PlanTrial, seconds_of, hvd) -> list[int]:
     """Feed ``trial`` the step seconds of the plan in use; returns the plan index per step."""
     current, used = 0, []
