@@ -31,7 +31,7 @@ zero sum is delivered as the zero it is.
 from __future__ import annotations
 
 import math
-import random
+import secrets
 from collections import deque
 
 import numpy as np
@@ -88,8 +88,9 @@ class Zen(RoundsCommunicator):
         self.history: deque[dict] = deque(maxlen=HISTORY)  # the last HISTORY buffer synchronisations
 
     def setup(self, compressor) -> None:
-        if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all
-            self.seed = hvd.broadcast_object(random.randrange(1 << 30), root_rank=0, name=collective("saf.zen.seed"),
+        if self.seed is None:  # ZEN §4: random seeds on one worker, broadcast to all (drawn from
+            # the OS: Python's own random stream is the user's, which rank 0 alone would advance)
+            self.seed = hvd.broadcast_object(secrets.randbelow(1 << 30), root_rank=0, name=collective("saf.zen.seed"),
                                              process_set=self.process_set)
         super().setup(compressor)
 

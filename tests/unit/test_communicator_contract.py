@@ -146,3 +146,15 @@ def test_exdyna_device_path_feeds_back_on_every_segment(paths):
     comp.feedback(segments, 30)  # k′ = k of both segments (20 + 10)
     assert {n: comp._threshold[n] for n in segments.names} == \
         pytest.approx({n: v * (1 + comp.gamma / 4) for n, v in before.items()}, rel=1e-12)
+
+
+def test_zens_seed_leaves_pythons_random_stream_as_it_was(hvd):
+    """ZEN §4 draws its hash seeds at random on one worker and broadcasts them: drawn from the OS,
+    so that rank 0's ``random`` stream (the user's augmentation, sampling) is the one every rank
+    and a run without the plugin would have."""
+    import random
+    state = random.getstate()
+    comm = Zen(process_set=hvd.global_process_set)
+    comm.setup(make_compressor("topk", 0.1))
+    assert comm.seed is not None and 0 <= comm.seed < 1 << 30
+    assert random.getstate() == state
