@@ -194,13 +194,6 @@ def start(plan: FusionPlan) -> PlanTrial | None:
                  f"{MARGIN:.0%} of the fastest option's ({mine:.3f} s; measured against {describe(other)}, "
                  f"predicted {theirs:.3f} s)")
     steps = block_steps(min(mine, theirs))
-    if (denser == 0 or (plan.dense and not other.dense)) and theirs < mine:
-        # the denser plan, chosen within MARGIN of a faster prediction for what it learns per step:
-        # it stays if it measures below the other's prediction times that margin, and the sparser
-        # plan's steps, which learn less, are not run at all
-        announce(f"{describe(plan)} kept first: predicted within {MARGIN:.0%} of {describe(other)} "
-                 f"({mine:.3f} s/iteration against {theirs:.3f} s), and it learns at least as much per step")
-        return PlanTrial(plan, other, steps=steps, confirm_below=theirs * (1.0 + MARGIN))
     if theirs > TRIAL_MARGIN * mine:
         if plan.dense:
             announce(f"dense allreduce predicted faster than sparse: {mine:.3f} s/iteration against "

@@ -26,15 +26,13 @@ pipeline simulator predicts fastest; ``plan.meta`` records every candidate's pre
 
 **Dense choice** (ours, ``dense="auto"`` by default): where the profile also prices Horovod's
 dense allreduce (:attr:`Profile.dense_allreduce`), the same steps and guard plan the job as if
-every element were sent (:meth:`Profile.as_dense`: no compression, the dense curve). A sparse
-scheme pays for selection and decoding on every step; on a fast link, or for a model too small
-to profit, a dense allreduce overlapped with back-propagation is faster, and the plugin must
-never be slower than what the user had. The dense plan is returned where the simulator predicts
-it within :data:`~horovod_safusion.density.MARGIN` of the best sparse plan, as the density choice
-below counts it (density 1): a sparse step learns less than a dense one (error feedback sends
-late what it holds back; docs/benchmarks.md, "The early lag"), so a saving smaller than the margin
-is lost to the steps it adds. ``plan.meta`` holds both predictions and the other plan
-(``runner_up``), which the online generator measures against it (:mod:`~horovod_safusion.trial`).
+every element were sent (:meth:`Profile.as_dense`: no compression, the dense curve), and the
+faster of the best sparse and the best dense plan by the simulator is returned. A sparse scheme
+pays for selection and decoding on every step; on a fast link, or for a model too small to
+profit, a dense allreduce overlapped with back-propagation is faster, and the plugin must never
+be slower than what the user had. ``plan.meta`` holds both predictions and the other plan
+(``runner_up``), which the online generator tries for a few steps when the two predictions are
+close, and keeps whichever was measured faster.
 
 **Communicator choice** (ours, ``communicator="auto"``): where the profile prices several
 communicators (:attr:`Profile.communicators`: the allgather, and ZEN where it can win, each
@@ -129,9 +127,7 @@ class SAFusionPlanner(Planner):
         ranking = sorted(options, key=lambda k: (options[k][1], k))
         predicted = {k: options[k][1] for k in ranking}
         first = ranking[0]
-        # the densest option near the fastest (dense counts as density 1: it learns at least as much
-        # per step), then the next one down: density="auto", and dense against the compressor's density
-        if profile.densities or "dense" in options:
+        if profile.densities:  # density="auto": the densest option near the fastest, then the next one down
             density = {k: sent_density(options[k][0], profile) for k in ranking}
             first = densest_within(predicted, density)
             faster = [k for k in ranking if predicted[k] < predicted[first] and density[k] < density[first]]

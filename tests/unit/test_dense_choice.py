@@ -2,13 +2,11 @@
 and a dense step that sends the residuals along."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import horovod_safusion as saf
-from horovod_safusion.density import MARGIN
 from horovod_safusion.fusion import CostCurve, Profile, SAFusionPlanner, simulate
 from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS, TRIAL_STEPS, PlanTrial, block_steps, start
 from horovod_safusion.plan import FusionPlan
@@ -158,37 +156,6 @@ def test_a_decisive_choice_is_checked_by_measurement_and_tried_out_when_it_misse
         assert used == [0] * (block + 1) and trial.measured[0] == measured
     else:  # it missed: the full A B B A trial, which sparse wins
         assert 1 in used and used[-1] == 1 and "measuring both" in capsys.readouterr().err
-
-
-def test_dense_is_chosen_within_the_margin_of_a_faster_sparse_plan():
-    """Dense counts as density 1 in the density rule: the plan is dense wherever its predicted
-    iteration is within MARGIN of the best sparse plan's, and sparse beyond; either way the
-    runner-up is the other."""
-    tensors = priced(0).tensors
-    seen = set()
-    for per_byte in np.geomspace(1e-11, 1e-7, 60):
-        plan = SAFusionPlanner().plan(tensors, priced(float(per_byte)))
-        sparse_s, dense_s = plan.meta["predicted_sparse_s"], plan.meta["predicted_dense_s"]
-        assert plan.dense == (dense_s <= (1 + MARGIN) * sparse_s), (per_byte, sparse_s, dense_s)
-        assert FusionPlan.from_dict(plan.meta["runner_up"]).dense != plan.dense
-        seen.add((plan.dense, dense_s > sparse_s))
-    assert seen == {(True, False), (True, True), (False, True)}  # dense faster; dense within the margin; beyond
-
-
-@pytest.mark.parametrize("measured", [1.15, 1.3])
-def test_dense_chosen_within_the_margin_is_confirmed_by_one_block_before_any_sparse_step(hvd, capsys, measured):
-    sparse = FusionPlan([["x"]], planner="safusion")
-    dense = FusionPlan([["x"]], planner="safusion", dense=True,
-                       meta={"predicted_sparse_s": 1.0, "predicted_dense_s": 1.1, "runner_up": sparse.to_dict()})
-    trial = start(dense)
-    assert "dense allreduce kept first: predicted within 20% of sparse (1.100 s/iteration against 1.000 s)" \
-        in capsys.readouterr().err
-    assert trial.confirm_below == pytest.approx(1.0 * (1 + MARGIN))
-    used = run_trial(trial, [measured, 1.0], hvd)
-    if measured < 1.2:  # dense measured below sparse's prediction and the margin: no sparse step at all
-        assert used == [0] * (1 + TRIAL_STEPS + 1)
-    else:  # it missed: the full trial, which sparse wins
-        assert used[-1] == 1 and "measuring both" in capsys.readouterr().err
 
 
 def test_dense_steps_send_the_residuals_along_a_chunk_per_step_and_lose_nothing(hvd):
