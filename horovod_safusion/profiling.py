@@ -280,17 +280,18 @@ class OnlineProfiler:
         priced = linked and self.planner.prices_dense
         # dense=True prices its dense plan alone: no selection or sparse collective to time
         only_dense = priced and self.planner.dense_choice is True
+        candidates = controller.densities if linked and self.planner.chooses_density and not only_dense else ()
         if only_dense:
             cp_sizes, cp_secs, per_segment = sweeps.uncompressed(numels, dtype)
+            at_density = []
         else:
             loading.wait()  # no kernel loading beside the compressor's timing
             source = sweeps.sweep_source(controller.flats(), max(numels), dtype, device)
             cp_sizes, cp_secs, per_segment = timed(
                 "compression", lambda: sweeps.compression_sweep(comp, numels, source, controller.target_density))
-        candidates = controller.densities if linked and self.planner.chooses_density and not only_dense else ()
-        at_density = timed("densities", lambda: [sweeps.compression_sweep(comp, numels, source, d)
-                                                 for d in candidates]) if candidates else []
-        source = None  # the sweep's data, where it had its own, released
+            at_density = timed("densities", lambda: [sweeps.compression_sweep(comp, numels, source, d)
+                                                     for d in candidates]) if candidates else []
+            del source
         chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1 \
             and not only_dense
         choices = contenders(controller.communicators, process_set.size(), comm.name) if chooses else {comm.name: comm}

@@ -330,7 +330,11 @@ def make_communicators(spec: "str | Communicator", dense_compressor: bool, proce
     group of their own and probe it)."""
     if isinstance(spec, Communicator):
         return {spec.name: spec.bind(process_set, compression)}
-    names = (spec,) if spec != "auto" else ("allreduce",) if dense_compressor \
-        else AUTO_SPARSE[:1] if sends_dense else AUTO_SPARSE
+    if spec != "auto":
+        names = (spec,)
+    elif dense_compressor:
+        names = ("allreduce",)
+    else:
+        names = AUTO_SPARSE[:1] if sends_dense else AUTO_SPARSE
     return {name: COMMUNICATORS.get(name, also=("auto",))(process_set=process_set, compression=compression)
             for name in names}
