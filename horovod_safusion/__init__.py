@@ -12,6 +12,7 @@ try:
     from .fusion import Planner, available_planners, register_planner
     from .optimizer import DistributedOptimizer, SAFusionOptimizer
     from . import cycle, elastic
+    from .compressors import loading
     from .plan import FusionPlan, TensorInfo
     from .timeline import TimelineRecorder
 except ImportError as error:  # Horovod, torch or Numba missing or broken: the doctor command says which
@@ -22,6 +23,8 @@ except ImportError as error:  # Horovod, torch or Numba missing or broken: the d
 elastic.register(SAFusionOptimizer)  # hvd.elastic.TorchState handles this package's optimizers
 # Horovod's cycle time for a few buffers per step, unless one was chosen
 cycle.set_on_import = cycle.set_default()
+# the selection kernels loaded while the script sets itself up, in a worker of a launched job
+loading.load_on_import()
 
 __version__ = "0.1.0"
 

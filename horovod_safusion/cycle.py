@@ -15,7 +15,7 @@ CPU is taken from training, and a longer cycle gives it back. Where each worker 
 own, the thread costs training little, and the longer cycle's wait shows in every short step. So
 the package lengthens the cycle only where the host's workers outnumber its logical CPUs
 (:func:`shares_cores`); elsewhere Horovod keeps its own default. The number of workers on the host
-comes from the launcher's environment (:data:`LOCAL_SIZE`: ``horovodrun``'s, Open MPI's, MPICH's);
+comes from the launcher's environment (:data:`~horovod_safusion.launcher.LOCAL_SIZE`: ``horovodrun``'s, Open MPI's, MPICH's);
 a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
 measurements on both sides.
 
@@ -30,14 +30,12 @@ import os
 import re
 from typing import Mapping, MutableMapping
 
+from .launcher import LOCAL_SIZE, local_workers
+
 #: The cycle time (ms) this package gives Horovod where the host's workers share its cores.
 CYCLE_TIME_MS = 5.0
 
 ENV = "HOROVOD_CYCLE_TIME"
-
-#: Where launchers say how many workers run on this host: ``horovodrun`` (Gloo), Open MPI
-#: (``mpirun``, ``horovodrun --mpi``), MPICH's Hydra. The first one set counts.
-LOCAL_SIZE = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 #: What :func:`set_default` answered when the package was imported (``None``: the import has not
 #: got that far), so that ``doctor`` can tell who chose the cycle time in force.
@@ -53,16 +51,6 @@ def set_default(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     environ[ENV] = f"{CYCLE_TIME_MS:g}"
     return True
-
-
-def local_workers(environ: Mapping[str, str]) -> int:
-    """The workers on this host, as the launcher's environment says (:data:`LOCAL_SIZE`); 1
-    where none says (a process launched on its own)."""
-    for name in LOCAL_SIZE:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def shares_cores(environ: Mapping[str, str], cpus: int | None = None) -> bool:

@@ -8,17 +8,23 @@ workers share cores, and it fell on the training thread in the profile's compres
 whole job waits for. ``DistributedOptimizer`` starts :func:`load` at construction for the dtypes
 of its parameters, so that loading runs while the first steps, dense, wait for their allreduces;
 the profile calls :func:`wait` before it times the compressor, so that no loading runs beside
-the timing. Numba compiles and loads under one lock, so a kernel that the training thread needs
-meanwhile waits for it and is never loaded twice. Once per process and dtype: the cache of
+the timing. Earlier still, importing the package starts loading the float32 kernels in a worker
+of a launched job of several workers (:func:`load_on_import`), so that loading runs while the
+script sets itself up (``hvd.init()``'s rendezvous, the data, the model) rather than beside its
+first steps, where it competes with them for the worker's core and the interpreter's lock. Numba
+compiles and loads under one lock, so a kernel that the training thread needs meanwhile waits for
+it and is never loaded twice. Once per process and dtype: the cache of
 loaded kernels is the process's.
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
+from .. import launcher
 from ..kernels import host
 from . import segmented
 
@@ -35,6 +41,17 @@ def load(dtypes: Iterable[torch.dtype]) -> None:
     for d in todo:
         _threads[d] = thread
     thread.start()
+
+
+def load_on_import(environ: Mapping[str, str] = os.environ) -> bool:
+    """Start loading the float32 host kernels (:func:`load`) where this process is one worker of
+    a launched job of several, the case where the first steps would otherwise share their core
+    with the loading. float32 is what nearly every job trains in; other dtypes load at
+    ``DistributedOptimizer``'s construction. Returns whether it started."""
+    if launcher.workers(environ) < 2:
+        return False
+    load([torch.float32])
+    return True
 
 
 def wait() -> None:

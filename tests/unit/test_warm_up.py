@@ -4,11 +4,16 @@ fresh install does not compile during training (seconds per missing signature, p
 worker at its first sparse step or in the profile's compression sweep).
 
 It runs in a fresh interpreter: signatures that earlier tests compiled in this process would hide
-a missing one."""
+a missing one. So do the checks of when the kernels load: at the construction of a sparse
+optimizer, and at the package's import in a worker of a launched job."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+from horovod_safusion import launcher
 
 PROBE = """
 import json, numba, numpy as np, torch
@@ -82,3 +87,49 @@ def test_a_sparse_optimizer_loads_its_kernels_before_its_first_selection():
     # not the float64 ones: no kernel loaded for float64 data (its first argument)
     assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
     assert not any(loaded_by_construction("none").values())
+
+
+IMPORTED = """
+import json, numba
+import horovod_safusion
+from horovod_safusion.compressors import loading, segmented
+from horovod_safusion.kernels import host
+
+loading.wait()
+print(json.dumps({f"{m.__name__.rsplit('.', 1)[-1]}.{name}": sorted(map(str, f.signatures)) for m in (segmented, host)
+                  for name, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)}))
+"""
+
+
+def loaded_by_import(**env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k not in launcher.WORLD_SIZE}
+    out = subprocess.run([sys.executable, "-c", IMPORTED], capture_output=True, text=True,
+                         env=dict(environ, OMP_NUM_THREADS="1", **env), timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("env, loads", [
+    ({"HOROVOD_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_SIZE": "8"}, True),
+    ({"HOROVOD_SIZE": "1"}, False),
+    ({}, False),
+], ids=["horovodrun, 2 workers", "mpirun, 8 workers", "one worker", "no launcher"])
+def test_a_worker_of_a_launched_job_loads_the_float32_kernels_when_it_imports_the_package(env, loads):
+    # compressors.loading.load_on_import: the loading runs while the script sets itself up, before
+    # any optimizer exists; a process started on its own (a test, a tool) loads nothing
+    loaded = loaded_by_import(**env)
+    assert any(any("float32" in s for s in sigs) for sigs in loaded.values()) is loads, loaded
+    assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
+
+
+@pytest.mark.parametrize("environ, workers", [
+    ({}, 1),
+    ({"HOROVOD_SIZE": "4"}, 4),
+    ({"OMPI_COMM_WORLD_SIZE": "3"}, 3),
+    ({"PMI_SIZE": "8"}, 8),
+    ({"HOROVOD_SIZE": "", "PMI_SIZE": "5"}, 5),
+    ({"HOROVOD_SIZE": "many"}, 1),
+])
+def test_the_jobs_workers_come_from_the_launchers_environment(environ, workers):
+    assert launcher.workers(environ) == workers
