@@ -285,6 +285,10 @@ def plot(results: dict, model: str, metric: str, higher: bool, path: str) -> Non
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
+    # one colour per scheme in every panel, whatever schemes a cell lacks (a failed peer)
+    keys = list(dict.fromkeys(k for cell in cells for k in results[cell]["runs"]))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {k: cycle[i % len(cycle)] for i, k in enumerate(keys)}
     for ax, cell in zip(axes.flat, cells):
         for key, by_seed in results[cell]["runs"].items():
             curves = [r["curve"] for r in by_seed.values() if "failed" not in r]
@@ -294,8 +298,8 @@ def plot(results: dict, model: str, metric: str, higher: bool, path: str) -> Non
             t = np.median([[p["seconds"] for p in c[:n]] for c in curves], axis=0)
             m = np.array([[p["metric"] for p in c[:n]] for c in curves])
             label = f"{key} (1 bucket)" if any("one_bucket" in r for r in by_seed.values()) else key
-            line, = ax.plot(t, np.median(m, axis=0), label=label, lw=2 if key == "safusion" else 1)
-            ax.fill_between(t, m.min(axis=0), m.max(axis=0), color=line.get_color(), alpha=0.15)
+            ax.plot(t, np.median(m, axis=0), label=label, color=colour[key], lw=2 if key == "safusion" else 1)
+            ax.fill_between(t, m.min(axis=0), m.max(axis=0), color=colour[key], alpha=0.15)
         target = results[cell]["summary"]["target"]
         if target is not None:
             ax.axhline(target, color="k", ls=":", lw=1, label="target")
