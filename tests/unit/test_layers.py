@@ -11,7 +11,7 @@ PACKAGE = ROOT.name
 
 #: Lowest first. A name stands for the module and, for a package, every module in it.
 LAYERS = (
-    ("foundation", ("announce", "registry", "requirements", "checkpoint", "clock", "cycle", "segment", "wire", "plan", "density", "residual", "observer", "session", "options",
+    ("foundation", ("announce", "registry", "requirements", "checkpoint", "clock", "cycle", "launcher", "segment", "wire", "plan", "density", "residual", "observer", "session", "options",
                     "timeline.trace")),
     ("kernels", ("kernels",)),
     ("algorithms", ("compressors", "fusion", "momentum", "warmup", "regime")),
