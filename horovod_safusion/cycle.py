@@ -15,8 +15,8 @@ CPU is taken from training, and a longer cycle gives it back. Where each worker 
 own, the thread costs training little, and the longer cycle's wait shows in every short step. So
 the package lengthens the cycle only where the host's workers outnumber its logical CPUs
 (:func:`shares_cores`); elsewhere Horovod keeps its own default. The number of workers on the host
-comes from the launcher's environment (:data:`~horovod_safusion.launcher.LOCAL_SIZE`: ``horovodrun``'s, Open MPI's, MPICH's);
-a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
+comes from the launcher's environment (:mod:`~horovod_safusion.launcher`: ``horovodrun``'s, Open
+MPI's, MPICH's); a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
 measurements on both sides.
 
 Horovod reads the variable once, in ``hvd.init()``. Importing this package sets it, unless the
@@ -30,7 +30,7 @@ import os
 import re
 from typing import Mapping, MutableMapping
 
-from .launcher import LOCAL_SIZE, local_workers
+from .launcher import local_workers
 
 #: The cycle time (ms) this package gives Horovod where the host's workers share its cores.
 CYCLE_TIME_MS = 5.0

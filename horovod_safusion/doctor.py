@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from . import cycle
+from . import cycle, launcher
 from .requirements import SUPPORTED_HOROVOD
 
 OK, WARNING, FATAL = "ok", "warning", "fatal"
@@ -252,7 +252,7 @@ def judge_cycle(environ: Mapping[str, str], set_on_import: bool | None) -> Findi
     """Who chose Horovod's cycle time (:mod:`.cycle`): the package on import, the user, Horovod's
     autotuner, or nobody (Horovod's default)."""
     value = environ.get(cycle.ENV)
-    workers, cpus = cycle.local_workers(environ), os.cpu_count()
+    workers, cpus = launcher.local_workers(environ), os.cpu_count()
     if set_on_import:
         return Finding("cycle time", OK, f"{value} ms, set by horovod_safusion on import ({workers} workers on "
                        f"this host share {cpus} logical CPUs; {cycle.ENV} chooses another)")

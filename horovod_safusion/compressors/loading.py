@@ -13,8 +13,8 @@ of a launched job of several workers (:func:`load_on_import`), so that loading r
 script sets itself up (``hvd.init()``'s rendezvous, the data, the model) rather than beside its
 first steps, where it competes with them for the worker's core and the interpreter's lock. Numba
 compiles and loads under one lock, so a kernel that the training thread needs meanwhile waits for
-it and is never loaded twice. Once per process and dtype: the cache of
-loaded kernels is the process's.
+it and is never loaded twice. Once per process and dtype: the cache of loaded kernels is the
+process's.
 """
 from __future__ import annotations
 
@@ -43,15 +43,13 @@ def load(dtypes: Iterable[torch.dtype]) -> None:
     thread.start()
 
 
-def load_on_import(environ: Mapping[str, str] = os.environ) -> bool:
+def load_on_import(environ: Mapping[str, str] = os.environ) -> None:
     """Start loading the float32 host kernels (:func:`load`) where this process is one worker of
     a launched job of several, the case where the first steps would otherwise share their core
     with the loading. float32 is what nearly every job trains in; other dtypes load at
-    ``DistributedOptimizer``'s construction. Returns whether it started."""
-    if launcher.workers(environ) < 2:
-        return False
-    load([torch.float32])
-    return True
+    ``DistributedOptimizer``'s construction."""
+    if launcher.workers(environ) > 1:
+        load([torch.float32])
 
 
 def wait() -> None:

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from horovod_safusion import cycle
+from horovod_safusion import cycle, launcher
 
 SHOW = "import os; print(os.environ.get('HOROVOD_CYCLE_TIME'))"
 
 
 def cycle_time_seen_by_horovod(code: str, **env: str) -> str:
-    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE", *cycle.LOCAL_SIZE)}
+    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE", *launcher.LOCAL_SIZE)}
     out = subprocess.run([sys.executable, "-c", f"{code}; {SHOW}"], env={**environ, **env},
                          capture_output=True, text=True, timeout=120, check=True)
     return out.stdout.strip().splitlines()[-1]
@@ -36,20 +36,6 @@ IMPORT_FIRST = "import horovod_safusion; import horovod.torch as hvd; hvd.init()
         "imported after init"])
 def test_the_package_sets_horovods_cycle_time_only_where_workers_share_cpus_and_nobody_chose_one(code, env, expected):
     assert cycle_time_seen_by_horovod(code, **env) == expected
-
-
-@pytest.mark.parametrize("environ, workers", [
-    ({}, 1),
-    ({"HOROVOD_LOCAL_SIZE": "4"}, 4),
-    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),
-    ({"MPI_LOCALNRANKS": "8"}, 8),
-    ({"HOROVOD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "6"}, 2),
-    ({"HOROVOD_LOCAL_SIZE": "", "MPI_LOCALNRANKS": "5"}, 5),
-    ({"HOROVOD_LOCAL_SIZE": "many"}, 1),
-    ({"HOROVOD_LOCAL_SIZE": "0"}, 1),
-])
-def test_the_hosts_workers_come_from_the_launchers_environment(environ, workers):
-    assert cycle.local_workers(environ) == workers
 
 
 @pytest.mark.parametrize("workers, cpus, shared", [(1, 1, False), (2, 2, False), (3, 2, True), (8, 2, True),

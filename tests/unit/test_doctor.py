@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from horovod_safusion import cycle, doctor
+from horovod_safusion import cycle, doctor, launcher
 from horovod_safusion.__main__ import main
 from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, NumbaFacts, TorchFacts, TritonFacts,
                                      judge_cycle, judge_horovod, judge_numba, judge_torch, judge_triton)
@@ -22,7 +22,7 @@ from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, 
 def run_doctor(*args: str, pythonpath: str = "", **env: str) -> subprocess.CompletedProcess:
     """``python -m horovod_safusion doctor ARGS`` in a fresh interpreter, with no cycle time or
     autotuner chosen unless ``env`` chooses one, and ``pythonpath`` first on the path."""
-    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE", *cycle.LOCAL_SIZE)}
+    environ = {k: v for k, v in os.environ.items() if k not in (cycle.ENV, "HOROVOD_AUTOTUNE", *launcher.LOCAL_SIZE)}
     if pythonpath:
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "horovod_safusion", "doctor", *args], env={**environ, **env},

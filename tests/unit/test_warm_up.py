@@ -49,49 +49,9 @@ def test_warm_up_covers_every_selection_signature():
     assert compiled_in_use == {}, f"signatures the warm-up left to the first job: {compiled_in_use}"
 
 
-LOADING = """
-import json, sys, numba, torch, horovod.torch as hvd
-import horovod_safusion as saf
-from horovod_safusion.compressors import segmented
-from horovod_safusion.compressors import loading
-from horovod_safusion.kernels import host
-
-def signatures():
-    return {f"{m.__name__.rsplit('.', 1)[-1]}.{name}": sorted(map(str, f.signatures)) for m in (segmented, host)
-            for name, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
-
-hvd.init()
-model = torch.nn.Linear(8, 4)
-saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                         compressor=sys.argv[1])
-loading.wait()
-print(json.dumps(signatures()))
-"""
-
-
-def loaded_by_construction(compressor):
-    out = subprocess.run([sys.executable, "-c", LOADING, compressor], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_a_sparse_optimizer_loads_its_kernels_before_its_first_selection():
-    # DistributedOptimizer starts loading the host kernels of its parameters' dtype (float32) at
-    # construction, on a thread of its own: the first selection does not load them on the training
-    # thread (compressors.loading); a dense one loads none
-    loaded = loaded_by_construction("dgc")
-    for kernel in ("segmented._select", "segmented._kth_largest_at", "host._fill"):
-        assert any("float32" in s for s in loaded[kernel]), (kernel, loaded[kernel])
-    assert loaded["segmented._select_top"] and loaded["host._by_segment"]
-    # not the float64 ones: no kernel loaded for float64 data (its first argument)
-    assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
-    assert not any(loaded_by_construction("none").values())
-
-
-IMPORTED = """
+#: ends every loading probe: waits for the loading thread, prints the loaded signatures per kernel
+LOADED = """
 import json, numba
-import horovod_safusion
 from horovod_safusion.compressors import loading, segmented
 from horovod_safusion.kernels import host
 
@@ -100,13 +60,38 @@ print(json.dumps({f"{m.__name__.rsplit('.', 1)[-1]}.{name}": sorted(map(str, f.s
                   for name, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)}))
 """
 
+CONSTRUCTED = """
+import sys, torch, horovod.torch as hvd
+import horovod_safusion as saf
 
-def loaded_by_import(**env: str) -> dict:
+hvd.init()
+model = torch.nn.Linear(8, 4)
+saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                         compressor=sys.argv[1])
+"""
+
+
+def loaded_after(code: str, *args: str, **env: str) -> dict:
+    """The kernels' signatures loaded once ``code`` ran in a fresh interpreter, under ``env`` and no
+    launcher's worker count beside it."""
     environ = {k: v for k, v in os.environ.items() if k not in launcher.WORLD_SIZE}
-    out = subprocess.run([sys.executable, "-c", IMPORTED], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code + LOADED, *args], capture_output=True, text=True,
                          env=dict(environ, OMP_NUM_THREADS="1", **env), timeout=600)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_sparse_optimizer_loads_its_kernels_before_its_first_selection():
+    # DistributedOptimizer starts loading the host kernels of its parameters' dtype (float32) at
+    # construction, on a thread of its own: the first selection does not load them on the training
+    # thread (compressors.loading); a dense one loads none
+    loaded = loaded_after(CONSTRUCTED, "dgc")
+    for kernel in ("segmented._select", "segmented._kth_largest_at", "host._fill"):
+        assert any("float32" in s for s in loaded[kernel]), (kernel, loaded[kernel])
+    assert loaded["segmented._select_top"] and loaded["host._by_segment"]
+    # not the float64 ones: no kernel loaded for float64 data (its first argument)
+    assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
+    assert not any(loaded_after(CONSTRUCTED, "none").values())
 
 
 @pytest.mark.parametrize("env, loads", [
@@ -118,18 +103,6 @@ def loaded_by_import(**env: str) -> dict:
 def test_a_worker_of_a_launched_job_loads_the_float32_kernels_when_it_imports_the_package(env, loads):
     # compressors.loading.load_on_import: the loading runs while the script sets itself up, before
     # any optimizer exists; a process started on its own (a test, a tool) loads nothing
-    loaded = loaded_by_import(**env)
+    loaded = loaded_after("import horovod_safusion", **env)
     assert any(any("float32" in s for s in sigs) for sigs in loaded.values()) is loads, loaded
     assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
-
-
-@pytest.mark.parametrize("environ, workers", [
-    ({}, 1),
-    ({"HOROVOD_SIZE": "4"}, 4),
-    ({"OMPI_COMM_WORLD_SIZE": "3"}, 3),
-    ({"PMI_SIZE": "8"}, 8),
-    ({"HOROVOD_SIZE": "", "PMI_SIZE": "5"}, 5),
-    ({"HOROVOD_SIZE": "many"}, 1),
-])
-def test_the_jobs_workers_come_from_the_launchers_environment(environ, workers):
-    assert launcher.workers(environ) == workers
