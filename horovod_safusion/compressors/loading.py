@@ -11,7 +11,10 @@ the profile calls :func:`wait` before it times the compressor, so that no loadin
 the timing. Earlier still, importing the package starts loading the float32 kernels in a worker
 of a launched job of several workers (:func:`load_on_import`), so that loading runs while the
 script sets itself up (``hvd.init()``'s rendezvous, the data, the model) rather than beside its
-first steps, where it competes with them for the worker's core and the interpreter's lock. Numba
+first steps, where it competes with them for the worker's core and the interpreter's lock. The
+import cannot see the optimizer's options, so a job that will send dense (``dense=True``) loads
+them too and holds their memory; ``HOROVOD_SAFUSION_LOAD_ON_IMPORT=0`` (:data:`ON_IMPORT_ENV`)
+leaves the loading to the construction, which loads nothing for such a job. Numba
 compiles and loads under one lock, so a kernel that the training thread needs meanwhile waits for
 it and is never loaded twice. Once per process and dtype: the cache of loaded kernels is the
 process's.
@@ -30,6 +33,9 @@ from . import segmented
 
 _threads: dict[torch.dtype, threading.Thread] = {}
 
+#: The environment variable that turns :func:`load_on_import` off (``0``) or on (``1``, the default).
+ON_IMPORT_ENV = "HOROVOD_SAFUSION_LOAD_ON_IMPORT"
+
 
 def load(dtypes: Iterable[torch.dtype]) -> None:
     """Start loading the host kernels of those of ``dtypes`` the host path takes, on a daemon
@@ -46,9 +52,13 @@ def load(dtypes: Iterable[torch.dtype]) -> None:
 def load_on_import(environ: Mapping[str, str] = os.environ) -> None:
     """Start loading the float32 host kernels (:func:`load`) where this process is one worker of
     a launched job of several, the case where the first steps would otherwise share their core
-    with the loading. float32 is what nearly every job trains in; other dtypes load at
+    with the loading, unless :data:`ON_IMPORT_ENV` is ``0`` (any value but ``0`` and ``1`` is a
+    ``ValueError`` naming it). float32 is what nearly every job trains in; other dtypes load at
     ``DistributedOptimizer``'s construction."""
-    if launcher.workers(environ) > 1:
+    asked = environ.get(ON_IMPORT_ENV, "1")
+    if asked not in ("0", "1"):
+        raise ValueError(f"{ON_IMPORT_ENV} must be one of '0', '1'; got {asked!r}")
+    if asked == "1" and launcher.workers(environ) > 1:
         load([torch.float32])
 
 

@@ -99,10 +99,27 @@ def test_a_sparse_optimizer_loads_its_kernels_before_its_first_selection():
     ({"OMPI_COMM_WORLD_SIZE": "8"}, True),
     ({"HOROVOD_SIZE": "1"}, False),
     ({}, False),
-], ids=["horovodrun, 2 workers", "mpirun, 8 workers", "one worker", "no launcher"])
+    ({"HOROVOD_SIZE": "2", "HOROVOD_SAFUSION_LOAD_ON_IMPORT": "0"}, False),
+    ({"HOROVOD_SIZE": "2", "HOROVOD_SAFUSION_LOAD_ON_IMPORT": "1"}, True),
+], ids=["horovodrun, 2 workers", "mpirun, 8 workers", "one worker", "no launcher", "turned off", "turned on"])
 def test_a_worker_of_a_launched_job_loads_the_float32_kernels_when_it_imports_the_package(env, loads):
     # compressors.loading.load_on_import: the loading runs while the script sets itself up, before
-    # any optimizer exists; a process started on its own (a test, a tool) loads nothing
+    # any optimizer exists; a process started on its own (a test, a tool) loads nothing, nor does a
+    # worker whose user turned it off (a job forced dense, which then holds no kernel at all)
     loaded = loaded_after("import horovod_safusion", **env)
     assert any(any("float32" in s for s in sigs) for sigs in loaded.values()) is loads, loaded
     assert not any(s.startswith(("(Array(float64", "(Array(uint64")) for sigs in loaded.values() for s in sigs)
+
+
+def test_a_worker_of_a_job_forced_dense_that_turned_the_loading_off_holds_no_kernel():
+    # the import leaves the loading to the construction, and dense=True loads nothing there
+    code = CONSTRUCTED.replace("compressor=sys.argv[1]", "dense=True")
+    assert not any(loaded_after(code, HOROVOD_SIZE="2", HOROVOD_SAFUSION_LOAD_ON_IMPORT="0").values())
+    assert any(loaded_after(code, HOROVOD_SIZE="2").values())
+
+
+@pytest.mark.parametrize("value", ["no", "true", ""])
+def test_another_value_of_the_switch_is_an_error_that_names_it_and_the_accepted_ones(value):
+    from horovod_safusion.compressors import loading
+    with pytest.raises(ValueError, match=f"HOROVOD_SAFUSION_LOAD_ON_IMPORT must be one of '0', '1'; got {value!r}"):
+        loading.load_on_import({"HOROVOD_SIZE": "2", "HOROVOD_SAFUSION_LOAD_ON_IMPORT": value})
