@@ -24,7 +24,12 @@ elastic.register(SAFusionOptimizer)  # hvd.elastic.TorchState handles this packa
 # Horovod's cycle time for a few buffers per step, unless one was chosen
 cycle.set_on_import = cycle.set_default()
 # the selection kernels loaded while the script sets itself up, in a worker of a launched job
-loading.load_on_import()
+try:
+    loading.load_on_import()
+except ValueError as error:  # its switch set to neither 0 nor 1: the doctor command says so too
+    from . import doctor
+    doctor.fallback(error)
+    raise
 
 __version__ = "0.1.0"
 

@@ -1,10 +1,10 @@
 """``python -m horovod_safusion doctor``: what this environment gives the plugin, and what to fix.
 
 In the spirit of ``horovodrun --check-build``, one finding per line: Horovod's version and what it
-was built with, torch and its devices, the CPU selection kernels that Numba compiles, Triton, and
-the cycle time in force with who chose it. Each finding is ``ok``, ``warning`` (the plugin runs,
-slower or untested) or ``fatal`` (it cannot run), and every warning and fatal finding says what
-to do. The doctor only looks: it initialises no Horovod and compiles no kernel.
+was built with, torch and its devices, the CPU selection kernels that Numba compiles, Triton, the
+cycle time in force with who chose it, and whether the package loads its kernels at import. Each
+finding is ``ok``, ``warning`` (the plugin runs, slower or untested) or ``fatal`` (it cannot run),
+and every warning and fatal finding says what to do. The doctor only looks: it initialises no Horovod and compiles no kernel.
 
 Each check gathers facts (importing what it inspects, inside the check) and judges them in a pure
 function, so that the judgement is tested on facts made up for it. Importing the package needs
@@ -53,6 +53,18 @@ class HorovodFacts:
     version: str | None = None
     error: str = ""
     built: Mapping[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadingFacts:
+    """The switch of the selection kernels' loading at import
+    (:data:`~horovod_safusion.compressors.loading.ON_IMPORT_ENV`): its name, its value (``None``:
+    unset) and the job's worker count as the launcher tells it; ``error``: why
+    :mod:`~horovod_safusion.compressors.loading` does not import."""
+    env: str = ""
+    value: str | None = None
+    workers: int = 1
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,10 +133,11 @@ def torch_facts() -> TorchFacts:
 
 
 def numba_facts() -> NumbaFacts:
-    """Which of the host path's compiled functions (:mod:`.compressors.segmented`, :mod:`.kernels.host`)
-    Numba's cache holds for this machine, read from its index files without compiling: an entry
-    counts where its key is the one Numba would look up here (signature, CPU, bytecode), in an index
-    written by this Numba for the current source."""
+    """Which of the host path's compiled functions (:mod:`.compressors.segmented`,
+    :mod:`.kernels.host`; not the helpers inlined into them) Numba's cache holds for this machine,
+    read from its index files without compiling: an entry counts where its key is the one Numba
+    would look up here (signature, CPU, bytecode), in an index written by this Numba for the
+    current source."""
     try:
         import numba
         from numba.core.caching import FunctionCache
@@ -137,8 +150,10 @@ def numba_facts() -> NumbaFacts:
         from .kernels import host
     except ImportError as e:
         return NumbaFacts(numba.__version__, unchecked=_why(e))
+    # a helper compiled into each kernel that calls it (inline="always") has no machine code of its own to cache
     kernels = [f for module in (segmented, host) for f in vars(module).values()
-               if isinstance(f, Dispatcher) and f.py_func.__module__ == module.__name__]
+               if isinstance(f, Dispatcher) and f.py_func.__module__ == module.__name__
+               and f.targetoptions.get("inline") != "always"]
     try:
         codegen = cpu_target.target_context.codegen()
         cached = 0
@@ -163,6 +178,15 @@ def triton_facts(cuda_devices: int) -> TritonFacts:
     except Exception as e:  # noqa: BLE001 - a broken Triton fails in many ways; each is the finding
         return TritonFacts(True, version, _why(e))
     return TritonFacts(True, version, target=f"{target.backend} {target.arch}" if target else "")
+
+
+def loading_facts(environ: Mapping[str, str]) -> LoadingFacts:
+    """The loading switch's value in ``environ`` and the worker count the launcher exported."""
+    try:
+        from .compressors import loading
+    except Exception as e:  # noqa: BLE001 - torch or Numba broken: the other findings say which
+        return LoadingFacts(error=_why(e))
+    return LoadingFacts(loading.ON_IMPORT_ENV, environ.get(loading.ON_IMPORT_ENV), launcher.workers(environ))
 
 
 # ---- judgements ------------------------------------------------------------------------------
@@ -270,6 +294,25 @@ def judge_cycle(environ: Mapping[str, str], set_on_import: bool | None) -> Findi
     return Finding("cycle time", OK, f"Horovod's default, 1 ms ({why})")
 
 
+def judge_loading(f: LoadingFacts) -> Finding:
+    """Whether ``import horovod_safusion`` loads the float32 selection kernels here
+    (:func:`~horovod_safusion.compressors.loading.load_on_import`): a value of its switch other
+    than 0 and 1 makes the import fail."""
+    check = "kernels at import"
+    if f.error:
+        return Finding(check, OK, f"not read: the kernels' loader does not import ({f.error})")
+    if f.value not in (None, "0", "1"):
+        return Finding(check, FATAL, f"{f.env}={f.value!r}: neither 0 nor 1, so import horovod_safusion fails",
+                       f"set {f.env} to 0 (a job forced dense: no kernels held) or 1, or unset it")
+    if f.value == "0":
+        return Finding(check, OK, f"not loaded ({f.env}=0): a sparse optimizer loads them")
+    if f.workers > 1:
+        return Finding(check, OK, f"loaded by import horovod_safusion (a worker of a job of {f.workers}; "
+                       f"{f.env}=0 leaves them to a sparse optimizer)")
+    return Finding(check, OK, "not loaded: not a worker of a launched job of several (a sparse optimizer "
+                   "loads them)")
+
+
 def judge_import(error: BaseException, others: Sequence[Finding]) -> Finding:
     """``import horovod_safusion`` failed: fatal, fixed by the other fatal findings if any names why."""
     advice = ("fix the fatal findings above" if any(f.level == FATAL for f in others) else
@@ -284,7 +327,8 @@ def findings(import_error: BaseException | None = None) -> list[Finding]:
     own import failed), a fatal finding for it last."""
     torch = torch_facts()
     found = [*judge_horovod(horovod_facts(), len(torch.cuda)), judge_torch(torch), judge_numba(numba_facts()),
-             judge_triton(triton_facts(len(torch.cuda)), len(torch.cuda)), judge_cycle(os.environ, cycle.set_on_import)]
+             judge_triton(triton_facts(len(torch.cuda)), len(torch.cuda)), judge_cycle(os.environ, cycle.set_on_import),
+             judge_loading(loading_facts(os.environ))]
     if import_error is not None:
         found.append(judge_import(import_error, found))
     return found
@@ -317,11 +361,12 @@ def run(as_json: bool = False, import_error: BaseException | None = None) -> int
     return 1 if fatal else 0
 
 
-def fallback(error: ImportError) -> None:
-    """Called by the package's ``__init__`` when its imports fail. Under ``python -m horovod_safusion
-    doctor`` (while Python locates the module, ``sys.argv[0]`` is ``-m``) or the ``horovod-safusion
-    doctor`` script, print the report and exit, since the command line's module cannot run without
-    the package; otherwise return, and the caller raises ``error``."""
+def fallback(error: Exception) -> None:
+    """Called by the package's ``__init__`` when its imports fail, or its loading switch is neither
+    0 nor 1 (:func:`judge_loading`). Under ``python -m horovod_safusion doctor`` (while Python
+    locates the module, ``sys.argv[0]`` is ``-m``) or the ``horovod-safusion doctor`` script, print
+    the report and exit, since the command line's module cannot run without the package; otherwise
+    return, and the caller raises ``error``."""
     program = os.path.basename(sys.argv[0]) if sys.argv else ""
     if program in ("-m", "horovod-safusion") and sys.argv[1:2] == ["doctor"]:
         parser = argparse.ArgumentParser(prog=f"{'python -m horovod_safusion' if program == '-m' else program} doctor")

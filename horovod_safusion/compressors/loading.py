@@ -55,11 +55,17 @@ def load_on_import(environ: Mapping[str, str] = os.environ) -> None:
     with the loading, unless :data:`ON_IMPORT_ENV` is ``0`` (any value but ``0`` and ``1`` is a
     ``ValueError`` naming it). float32 is what nearly every job trains in; other dtypes load at
     ``DistributedOptimizer``'s construction."""
+    if on_import(environ) and launcher.workers(environ) > 1:
+        load([torch.float32])
+
+
+def on_import(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether :data:`ON_IMPORT_ENV` leaves the loading at import on (``1``, or unset) rather than
+    off (``0``); any other value is a ``ValueError`` naming it and the accepted ones."""
     asked = environ.get(ON_IMPORT_ENV, "1")
     if asked not in ("0", "1"):
         raise ValueError(f"{ON_IMPORT_ENV} must be one of '0', '1'; got {asked!r}")
-    if asked == "1" and launcher.workers(environ) > 1:
-        load([torch.float32])
+    return asked == "1"
 
 
 def wait() -> None:

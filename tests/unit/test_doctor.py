@@ -1,6 +1,7 @@
 """``python -m horovod_safusion doctor``: the report of this environment, who chose the cycle time,
-a fatal finding when Horovod does not import (a report, not a traceback), and how findings are
-judged from facts made up for each case."""
+whether the kernels load at import, a fatal finding when Horovod does not import or the loading's
+switch is neither 0 nor 1 (a report, not a traceback), and how findings are judged from facts made
+up for each case."""
 import json
 import os
 import re
@@ -15,8 +16,9 @@ from hypothesis import given, strategies as st
 
 from horovod_safusion import cycle, doctor, launcher
 from horovod_safusion.__main__ import main
-from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, NumbaFacts, TorchFacts, TritonFacts,
-                                     judge_cycle, judge_horovod, judge_numba, judge_torch, judge_triton)
+from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, LoadingFacts, NumbaFacts, TorchFacts,
+                                     TritonFacts, judge_cycle, judge_horovod, judge_loading, judge_numba, judge_torch,
+                                     judge_triton)
 
 
 def run_doctor(*args: str, pythonpath: str = "", **env: str) -> subprocess.CompletedProcess:
@@ -72,6 +74,29 @@ def test_the_cycle_time_you_chose_is_yours():
     assert "3 ms, set by you (HOROVOD_CYCLE_TIME=3)" in line(run.stdout, "cycle time")
 
 
+def test_a_loading_switch_that_is_neither_0_nor_1_is_fatal_and_reported():
+    """The package's import raises on it before ``__main__`` runs; the doctor still reports, says
+    what to set, and exits 1."""
+    run = run_doctor(HOROVOD_SAFUSION_LOAD_ON_IMPORT="yes")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "HOROVOD_SAFUSION_LOAD_ON_IMPORT='yes': neither 0 nor 1" in line(run.stdout, "kernels at import")
+    assert "must be one of '0', '1'; got 'yes'" in line(run.stdout, "horovod_safusion")
+    assert "Traceback" not in run.stderr
+
+
+def test_the_kernels_the_install_compiled_are_all_reported_cached():
+    """Every compiled kernel of the host path has machine code in Numba's cache once the install's
+    warm-up ran (here, again: it loads what is cached); a helper inlined into the kernels that call
+    it has none of its own, and is not counted as missing."""
+    from horovod_safusion.compressors import segmented
+    from horovod_safusion.kernels import host
+    segmented.warm_up()
+    host.warm_up()
+    facts = doctor.numba_facts()
+    assert segmented._radix.targetoptions["inline"] == "always"
+    assert facts.kernels > 0 and facts.cached == facts.kernels, facts
+
+
 def test_a_horovod_that_does_not_import_is_fatal_and_reported(tmp_path):
     """A broken install, simulated by a ``horovod`` package that raises on import: the package's own
     import fails before ``__main__`` runs, and the doctor still reports (here as JSON) and exits 1."""
@@ -92,7 +117,7 @@ def test_the_cli_prints_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert not report["fatal"]
     assert [f["check"] for f in report["findings"]] == ["horovod", "horovod build", "torch", "numba", "triton",
-                                                         "cycle time"]
+                                                         "cycle time", "kernels at import"]
 
 
 BUILT = {"Gloo": True, "MPI": True, "NCCL": False}
@@ -140,6 +165,20 @@ def test_horovod_findings(monkeypatch, facts, cuda, levels):
         "nothing cached", "one not cached", "all cached", "no triton, CPU", "no triton, GPU", "triton, CPU",
         "triton, GPU", "broken triton, CPU", "broken triton, GPU"])
 def test_findings_from_facts(finding, level, says):
+    assert finding.level == level and says in finding.found
+    assert bool(finding.advice) == (level != OK)
+
+
+@pytest.mark.parametrize("facts, level, says", [
+    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", None, 1), OK, "not loaded: not a worker of a launched job"),
+    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", None, 8), OK, "loaded by import horovod_safusion (a worker of a job of 8"),
+    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "1", 2), OK, "loaded by import horovod_safusion"),
+    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "0", 8), OK, "not loaded (HOROVOD_SAFUSION_LOAD_ON_IMPORT=0)"),
+    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "true", 8), FATAL, "'true': neither 0 nor 1"),
+    (LoadingFacts(error="ModuleNotFoundError: No module named 'numba'"), OK, "not read"),
+], ids=["one worker", "a worker of 8", "on", "off", "neither", "loader broken"])
+def test_whether_the_kernels_load_at_import(facts, level, says):
+    finding = judge_loading(facts)
     assert finding.level == level and says in finding.found
     assert bool(finding.advice) == (level != OK)
 
