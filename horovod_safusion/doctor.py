@@ -4,7 +4,8 @@ In the spirit of ``horovodrun --check-build``, one finding per line: Horovod's v
 was built with, torch and its devices, the CPU selection kernels that Numba compiles, Triton, the
 cycle time in force with who chose it, and whether the package loads its kernels at import. Each
 finding is ``ok``, ``warning`` (the plugin runs, slower or untested) or ``fatal`` (it cannot run),
-and every warning and fatal finding says what to do. The doctor only looks: it initialises no Horovod and compiles no kernel.
+and every warning and fatal finding says what to do. The doctor only looks: it initialises no
+Horovod and compiles no kernel.
 
 Each check gathers facts (importing what it inspects, inside the check) and judges them in a pure
 function, so that the judgement is tested on facts made up for it. Importing the package needs
@@ -59,10 +60,12 @@ class HorovodFacts:
 class LoadingFacts:
     """The switch of the selection kernels' loading at import
     (:data:`~horovod_safusion.compressors.loading.ON_IMPORT_ENV`): its name, its value (``None``:
-    unset) and the job's worker count as the launcher tells it; ``error``: why
+    unset), whether it leaves the loading on (``None``: a value the import refuses) and the job's
+    worker count as the launcher tells it; ``error``: why
     :mod:`~horovod_safusion.compressors.loading` does not import."""
     env: str = ""
     value: str | None = None
+    on: bool | None = True
     workers: int = 1
     error: str = ""
 
@@ -181,12 +184,17 @@ def triton_facts(cuda_devices: int) -> TritonFacts:
 
 
 def loading_facts(environ: Mapping[str, str]) -> LoadingFacts:
-    """The loading switch's value in ``environ`` and the worker count the launcher exported."""
+    """The loading switch in ``environ``, read as the import reads it, and the worker count the
+    launcher exported."""
     try:
         from .compressors import loading
     except Exception as e:  # noqa: BLE001 - torch or Numba broken: the other findings say which
         return LoadingFacts(error=_why(e))
-    return LoadingFacts(loading.ON_IMPORT_ENV, environ.get(loading.ON_IMPORT_ENV), launcher.workers(environ))
+    try:
+        on = loading.on_import(environ)
+    except ValueError:
+        on = None
+    return LoadingFacts(loading.ON_IMPORT_ENV, environ.get(loading.ON_IMPORT_ENV), on, launcher.workers(environ))
 
 
 # ---- judgements ------------------------------------------------------------------------------
@@ -301,10 +309,10 @@ def judge_loading(f: LoadingFacts) -> Finding:
     check = "kernels at import"
     if f.error:
         return Finding(check, OK, f"not read: the kernels' loader does not import ({f.error})")
-    if f.value not in (None, "0", "1"):
+    if f.on is None:
         return Finding(check, FATAL, f"{f.env}={f.value!r}: neither 0 nor 1, so import horovod_safusion fails",
                        f"set {f.env} to 0 (a job forced dense: no kernels held) or 1, or unset it")
-    if f.value == "0":
+    if not f.on:
         return Finding(check, OK, f"not loaded ({f.env}=0): a sparse optimizer loads them")
     if f.workers > 1:
         return Finding(check, OK, f"loaded by import horovod_safusion (a worker of a job of {f.workers}; "

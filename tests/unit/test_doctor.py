@@ -21,6 +21,9 @@ from horovod_safusion.doctor import (FATAL, OK, WARNING, Finding, HorovodFacts, 
                                      judge_triton)
 
 
+SWITCH = "HOROVOD_SAFUSION_LOAD_ON_IMPORT"  # the kernels' loading at import
+
+
 def run_doctor(*args: str, pythonpath: str = "", **env: str) -> subprocess.CompletedProcess:
     """``python -m horovod_safusion doctor ARGS`` in a fresh interpreter, with no cycle time or
     autotuner chosen unless ``env`` chooses one, and ``pythonpath`` first on the path."""
@@ -72,6 +75,12 @@ def test_the_cycle_time_you_chose_is_yours():
     run = run_doctor(HOROVOD_CYCLE_TIME="3")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "3 ms, set by you (HOROVOD_CYCLE_TIME=3)" in line(run.stdout, "cycle time")
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", None)])
+def test_the_doctor_reads_the_switch_as_the_import_does(value, on):
+    environ = {"HOROVOD_SIZE": "4"} if value is None else {"HOROVOD_SIZE": "4", SWITCH: value}
+    assert doctor.loading_facts(environ) == LoadingFacts(SWITCH, value, on, 4)
 
 
 def test_a_loading_switch_that_is_neither_0_nor_1_is_fatal_and_reported():
@@ -170,11 +179,11 @@ def test_findings_from_facts(finding, level, says):
 
 
 @pytest.mark.parametrize("facts, level, says", [
-    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", None, 1), OK, "not loaded: not a worker of a launched job"),
-    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", None, 8), OK, "loaded by import horovod_safusion (a worker of a job of 8"),
-    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "1", 2), OK, "loaded by import horovod_safusion"),
-    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "0", 8), OK, "not loaded (HOROVOD_SAFUSION_LOAD_ON_IMPORT=0)"),
-    (LoadingFacts("HOROVOD_SAFUSION_LOAD_ON_IMPORT", "true", 8), FATAL, "'true': neither 0 nor 1"),
+    (LoadingFacts(SWITCH, None, True, 1), OK, "not loaded: not a worker of a launched job"),
+    (LoadingFacts(SWITCH, None, True, 8), OK, "loaded by import horovod_safusion (a worker of a job of 8"),
+    (LoadingFacts(SWITCH, "1", True, 2), OK, "loaded by import horovod_safusion"),
+    (LoadingFacts(SWITCH, "0", False, 8), OK, "not loaded (HOROVOD_SAFUSION_LOAD_ON_IMPORT=0)"),
+    (LoadingFacts(SWITCH, "true", None, 8), FATAL, "'true': neither 0 nor 1"),
     (LoadingFacts(error="ModuleNotFoundError: No module named 'numba'"), OK, "not read"),
 ], ids=["one worker", "a worker of 8", "on", "off", "neither", "loader broken"])
 def test_whether_the_kernels_load_at_import(facts, level, says):
