@@ -15,20 +15,17 @@ try:
     from .compressors import loading
     from .plan import FusionPlan, TensorInfo
     from .timeline import TimelineRecorder
-except ImportError as error:  # Horovod, torch or Numba missing or broken: the doctor command says which
+
+    elastic.register(SAFusionOptimizer)  # hvd.elastic.TorchState handles this package's optimizers
+    # Horovod's cycle time for a few buffers per step, unless one was chosen
+    cycle.set_on_import = cycle.set_default()
+    # the selection kernels loaded while the script sets itself up, in a worker of a launched job
+    loading.load_on_import()
+except (ImportError, ValueError) as error:
+    # Horovod, torch or Numba missing or broken, or the kernels' loading switch neither 0 nor 1:
+    # the doctor command says which
     from . import doctor
     doctor.fallback(error)  # returns unless this process runs that command
-    raise
-
-elastic.register(SAFusionOptimizer)  # hvd.elastic.TorchState handles this package's optimizers
-# Horovod's cycle time for a few buffers per step, unless one was chosen
-cycle.set_on_import = cycle.set_default()
-# the selection kernels loaded while the script sets itself up, in a worker of a launched job
-try:
-    loading.load_on_import()
-except ValueError as error:  # its switch set to neither 0 nor 1: the doctor command says so too
-    from . import doctor
-    doctor.fallback(error)
     raise
 
 __version__ = "0.1.0"

@@ -16,8 +16,8 @@ own, the thread costs training little, and the longer cycle's wait shows in ever
 the package lengthens the cycle only where the host's workers outnumber its logical CPUs
 (:func:`shares_cores`); elsewhere Horovod keeps its own default. The number of workers on the host
 comes from the launcher's environment (:mod:`~horovod_safusion.launcher`: ``horovodrun``'s, Open
-MPI's, MPICH's); a process launched without one is one worker. docs/benchmarks.md, "Horovod's cycle time", has the
-measurements on both sides.
+MPI's, MPICH's); a process launched without one is one worker. docs/benchmarks.md, "Horovod's
+cycle time", has the measurements on both sides.
 
 Horovod reads the variable once, in ``hvd.init()``. Importing this package sets it, unless the
 user chose a cycle time already (``HOROVOD_CYCLE_TIME``, which ``horovodrun --cycle-time-ms``
