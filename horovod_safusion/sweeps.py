@@ -32,6 +32,11 @@ SWEEP_POINTS = 12
 #: fewer points fit, and each point costs collectives of every rank (several rounds for SparDL and
 #: ZEN) paced by Horovod's cycle time.
 COMMUNICATION_POINTS = 8
+#: Buffer sizes per dense allreduce sweep. Horovod's dense allreduce is one ring, whose cost is
+#: close to latency + bytes / bandwidth (docs/benchmarks.md, "Per-round latency, fitted"), which
+#: four points fit, where each point costs every rank a warm-up, the counted runs and an
+#: agreement: four negotiated collectives, each paced by Horovod's cycle.
+DENSE_POINTS = 4
 #: Collectives are timed up to this many bytes (offered by one rank) and extrapolated linearly
 #: beyond (they cost latency + bytes / bandwidth), so that pricing a large model on a slow link
 #: takes seconds, not minutes, and the sweep's messages stay small next to the model.
@@ -305,7 +310,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
     nbytes, seconds = [], []
-    counts = sizes(1024, min(total, SWEEP_BYTES // element), COMMUNICATION_POINTS)
+    counts = sizes(1024, min(total, SWEEP_BYTES // element), DENSE_POINTS)
     # a name per wire: Horovod's response cache keys a collective by name
     tag = f"{'largest' if largest else 'dense'}.{getattr(compression, '__name__', 'wire')}"
     swept = counts[-1:] if largest else counts

@@ -208,6 +208,7 @@ def test_generator_builds_identical_plans_from_different_local_timings(job):
 
 def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job):
     from horovod_safusion.regime import HALF_MARGIN
+    from horovod_safusion.sweeps import DENSE_POINTS
 
     recs = per_rank(job, "wire_before_profile")
     for r in recs:
@@ -219,6 +220,9 @@ def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job)
         assert r["modes"][:3] == [False, r["half"], r["half"]], r
         # the dense sweep's largest point is the wire's float32 time (monotone curve: at least it)
         assert r["dense_top"][0] == nbytes and r["dense_top"][1] >= float32_s
+        # sizes spaced geometrically from 1024 elements to the model's: few points fit the ring's
+        # latency + bytes / bandwidth, and each costs negotiated collectives of every rank
+        assert len(r["dense_sizes"]) == DENSE_POINTS and r["dense_sizes"][0] == 1024 * 4, r["dense_sizes"]
         assert "wires" in r["sweeps"]
 
 

@@ -662,7 +662,8 @@ def scenario_generator_alignment():
 def scenario_wire_before_profile():
     """Under critical regimes (on by default) the profiler chooses the critical steps' wire at the
     end of the step before its first profiled one, on every rank alike; the steps it profiles go on
-    that wire; the profile's dense sweep takes the wire's float32 time as its largest point."""
+    that wire; the profile's dense sweep takes the wire's float32 time as its largest point, and
+    times ``sweeps.DENSE_POINTS`` sizes in all."""
     m = make(width=16)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                    profile_steps=2)
@@ -679,7 +680,8 @@ def scenario_wire_before_profile():
     dense = opt.profile.dense_allreduce
     return {"chosen_at": chosen_at, "half": opt.controller.regimes.half, "wire": [nbytes, float32_s, float16_s],
             "modes": halves,
-            "dense_top": [dense.sizes[-1], dense.seconds[-1]], "sweeps": sorted(opt.profile.meta["sweeps_s"])}
+            "dense_top": [dense.sizes[-1], dense.seconds[-1]], "dense_sizes": list(dense.sizes),
+            "sweeps": sorted(opt.profile.meta["sweeps_s"])}
 
 
 def scenario_agreed_repetitions():
