@@ -355,15 +355,21 @@ class OnlineProfiler:
         """A critical step's two wires timed and chosen, before the first profiled step, so that
         the critical steps before the profile go as float16 too where that pays: one dense
         allreduce of the dense sweep's largest size in float32 and in float16 (collectives), the
-        fastest rank's times (:meth:`choose_critical_wire`). Returns the bytes, the two times and
-        this rank's seconds spent; the profile's dense sweep takes float32's time as its own
-        largest point rather than timing it again."""
+        fastest rank's times (:meth:`choose_critical_wire`). Float16 goes first; where it took
+        :data:`~horovod_safusion.sweeps.ONE_RUN_S` or more, the link dominates, and float32 is
+        timed by one run right after it, with no warm-up of its own (the slowest collective of the
+        profile, run once less). Returns the bytes, the two times and this rank's seconds spent;
+        the profile's dense sweep takes float32's time as its own largest point rather than timing
+        it again."""
         ps, device = self.process_set, controller.device
         dtype = torch.float32
         start = time.perf_counter()
-        nbytes, full = sweeps.dense_allreduce_sweep(hvd.Compression.none, self.tensors, dtype, device, ps, largest=True)
-        _, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, self.tensors, dtype, device, ps, largest=True)
-        float32_s, float16_s = reduce_by_name({"wires": [full[0], half[0]]}, hvd.Min, "saf.profile.wires", ps)["wires"]
+        nbytes, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, self.tensors, dtype, device, ps, largest=True)
+        float16_s = reduce_by_name({"wire": half}, hvd.Min, "saf.profile.wire.float16", ps)["wire"][0]
+        slow = float16_s >= sweeps.ONE_RUN_S  # the same on every rank: the fastest rank's
+        _, full = sweeps.dense_allreduce_sweep(hvd.Compression.none, self.tensors, dtype, device, ps, largest=True,
+                                               reps=1 if slow else 2, warm=not slow)
+        float32_s = reduce_by_name({"wire": full}, hvd.Min, "saf.profile.wire.float32", ps)["wire"][0]
         self.choose_critical_wire(controller.regimes, float32_s, float16_s, nbytes[0])
         return nbytes[0], float32_s, float16_s, time.perf_counter() - start
 

@@ -158,26 +158,34 @@ def uncompressed(numels: Sequence[int], dtype: torch.dtype) -> tuple[list[int], 
 
 
 def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str | None = None,
-                    process_set: Any = None, give_up: tuple[str, float] | None = None) -> float:
+                    process_set: Any = None, give_up: tuple[str, float] | None = None,
+                    warm: bool = True) -> float:
     """Median seconds of ``reps`` runs of the collective ``run``, after one that warms Horovod's
-    caches up and is not counted. With ``agree`` (a collective's name), of one run where that
+    caches up and is not counted (``warm=False``: none, for a collective whose bytes dominate it,
+    run right after one like it). With ``agree`` (a collective's name), of one run where that
     warm-up took :data:`ONE_RUN_S` or more on the fastest rank of ``process_set``: the fastest
     rank's warm-up time is agreed by a small allreduce that goes beside the first counted run, so
     every rank runs the same collectives. With ``give_up`` (a collective's name and this rank's
     bar in seconds), none counted where the fastest rank's warm-up took longer than the lowest
     rank's bar (both agreed by one small allreduce first): the warm-up's seconds are returned."""
+    times = []
+    if not warm:
+        for _ in range(reps):
+            a = clock.mark()
+            run()
+            times.append(clock.seconds(a, clock.mark()))
+        return float(np.median(times))
     a = clock.mark()
     run()
-    warm = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
+    warmup = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
     if give_up is not None:
         name, bar = give_up
-        fastest, lowest = wait(hvd.allreduce_async(torch.tensor([warm.item(), bar], dtype=torch.float64), op=hvd.Min,
+        fastest, lowest = wait(hvd.allreduce_async(torch.tensor([warmup.item(), bar], dtype=torch.float64), op=hvd.Min,
                                                    name=collective(name), process_set=process_set)).tolist()
         if fastest > lowest:
-            return warm.item()
-    agreed = None if agree is None else hvd.allreduce_async(warm, op=hvd.Min, name=collective(agree),
+            return warmup.item()
+    agreed = None if agree is None else hvd.allreduce_async(warmup, op=hvd.Min, name=collective(agree),
                                                             process_set=process_set)
-    times = []
     for r in range(reps):
         a = clock.mark()
         run()
@@ -299,13 +307,14 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
                           device: torch.device, process_set: Any, reps: int = 2,
-                          largest: bool = False, largest_s: float | None = None) -> tuple[list[float], list[float]]:
+                          largest: bool = False, largest_s: float | None = None,
+                          warm: bool = True) -> tuple[list[float], list[float]]:
     """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
     sizes up to the model's gradient bytes or :data:`SWEEP_BYTES`, whichever is smaller
     (a collective): the price of sending dense, for the planner's dense choice. ``largest``: that
     largest size alone (how a critical step's wire is chosen, :mod:`~horovod_safusion.regime`);
     ``largest_s``: that size's seconds, timed already (with the same compression), not timed
-    again. Sizes are the uncompressed buffer's bytes."""
+    again; ``warm``: :func:`time_collective`'s. Sizes are the uncompressed buffer's bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
@@ -326,7 +335,7 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
             wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.{tag}.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
         nbytes.append(float(count * element))
-        seconds.append(time_collective(run, clock, reps, f"saf.sweep.agree.{tag}.{j}", process_set))
+        seconds.append(time_collective(run, clock, reps, f"saf.sweep.agree.{tag}.{j}", process_set, warm=warm))
     return nbytes, seconds
 
 

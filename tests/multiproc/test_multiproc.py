@@ -226,6 +226,12 @@ def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job)
         assert "wires" in r["sweeps"]
 
 
+def test_a_slow_float16_wire_lets_float32_run_once_without_a_warm_up(job):
+    # float16 first: its warm-up and one counted run (slow); then float32 once, with no warm-up
+    for r in per_rank(job, "slow_wires"):
+        assert r == {"runs": [2, 1], "wired": True}, r
+
+
 def test_a_swept_allreduce_runs_once_where_its_warm_up_was_slow_on_the_fastest_rank(job):
     # a warm-up and 2 counted runs, or a warm-up and 1 where the fastest rank's warm-up took
     # sweeps.ONE_RUN_S or more; one rank slow alone does not decide, and every rank runs alike
