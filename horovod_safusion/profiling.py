@@ -366,9 +366,10 @@ class OnlineProfiler:
         start = time.perf_counter()
         nbytes, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, self.tensors, dtype, device, ps, largest=True)
         float16_s = reduce_by_name({"wire": half}, hvd.Min, "saf.profile.wire.float16", ps)["wire"][0]
-        slow = float16_s >= sweeps.ONE_RUN_S  # the same on every rank: the fastest rank's
+        # the same on every rank (the fastest rank's time): one run with no warm-up where it was slow
+        once = dict(reps=1, warm=False) if float16_s >= sweeps.ONE_RUN_S else {}
         _, full = sweeps.dense_allreduce_sweep(hvd.Compression.none, self.tensors, dtype, device, ps, largest=True,
-                                               reps=1 if slow else 2, warm=not slow)
+                                               **once)
         float32_s = reduce_by_name({"wire": full}, hvd.Min, "saf.profile.wire.float32", ps)["wire"][0]
         self.choose_critical_wire(controller.regimes, float32_s, float16_s, nbytes[0])
         return nbytes[0], float32_s, float16_s, time.perf_counter() - start

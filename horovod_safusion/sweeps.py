@@ -161,31 +161,29 @@ def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str
                     process_set: Any = None, give_up: tuple[str, float] | None = None,
                     warm: bool = True) -> float:
     """Median seconds of ``reps`` runs of the collective ``run``, after one that warms Horovod's
-    caches up and is not counted (``warm=False``: none, for a collective whose bytes dominate it,
-    run right after one like it). With ``agree`` (a collective's name), of one run where that
-    warm-up took :data:`ONE_RUN_S` or more on the fastest rank of ``process_set``: the fastest
-    rank's warm-up time is agreed by a small allreduce that goes beside the first counted run, so
-    every rank runs the same collectives. With ``give_up`` (a collective's name and this rank's
-    bar in seconds), none counted where the fastest rank's warm-up took longer than the lowest
-    rank's bar (both agreed by one small allreduce first): the warm-up's seconds are returned."""
+    caches up and is not counted (``warm=False``: none, and so neither ``agree`` nor ``give_up``,
+    for a collective whose bytes dominate it, run right after one like it). With ``agree`` (a
+    collective's name), of one run where that warm-up took :data:`ONE_RUN_S` or more on the
+    fastest rank of ``process_set``: the fastest rank's warm-up time is agreed by a small
+    allreduce that goes beside the first counted run, so every rank runs the same collectives.
+    With ``give_up`` (a collective's name and this rank's bar in seconds), none counted where the
+    fastest rank's warm-up took longer than the lowest rank's bar (both agreed by one small
+    allreduce first): the warm-up's seconds are returned."""
+    agreed = None
+    if warm:
+        a = clock.mark()
+        run()
+        warmup = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
+        if give_up is not None:
+            name, bar = give_up
+            fastest, lowest = wait(hvd.allreduce_async(torch.tensor([warmup.item(), bar], dtype=torch.float64),
+                                                       op=hvd.Min, name=collective(name),
+                                                       process_set=process_set)).tolist()
+            if fastest > lowest:
+                return warmup.item()
+        if agree is not None:
+            agreed = hvd.allreduce_async(warmup, op=hvd.Min, name=collective(agree), process_set=process_set)
     times = []
-    if not warm:
-        for _ in range(reps):
-            a = clock.mark()
-            run()
-            times.append(clock.seconds(a, clock.mark()))
-        return float(np.median(times))
-    a = clock.mark()
-    run()
-    warmup = torch.tensor([clock.seconds(a, clock.mark())], dtype=torch.float64)
-    if give_up is not None:
-        name, bar = give_up
-        fastest, lowest = wait(hvd.allreduce_async(torch.tensor([warmup.item(), bar], dtype=torch.float64), op=hvd.Min,
-                                                   name=collective(name), process_set=process_set)).tolist()
-        if fastest > lowest:
-            return warmup.item()
-    agreed = None if agree is None else hvd.allreduce_async(warmup, op=hvd.Min, name=collective(agree),
-                                                            process_set=process_set)
     for r in range(reps):
         a = clock.mark()
         run()
