@@ -56,7 +56,7 @@ network. Curves go to ``--out``/convergence_{model}.png, the table and every cur
 of N), ``--eval-every K`` evaluates every K steps instead of ``--evals`` per epoch, and
 ``--digits-width`` / ``--digits-lr`` set the digits CNN's width and learning rate (defaults as
 above), ``--min-selected`` our schemes' ``min_selected`` (default: the optimizer's).
-``--diagnostics`` records at every step, for every scheme, the loss, the local gradient's norm, the update's and the momentum's norms and, for ours, the error-feedback residual's norm and
+``--diagnostics`` records at every step, for every scheme, the loss, the local gradient's norm, the update's and the momentum's norms, the update's cosine with the workers' mean gradient and, for ours, the error-feedback residual's norm and
 age and the age of what was sent (:class:`Diagnostics`), all global over the ranks; it prints one
 more table per model (medians over seeds at steps 11, 22, 44 and the last) and draws
 ``--out``/lag_{model}.png; the records go to results.json under each run's ``diagnostics``. A lag
@@ -349,6 +349,13 @@ class Diagnostics:
       and so before the optimizers' post-accumulate hooks (ours, Horovod's, DDP's) read it; it
       returns ``None`` and changes nothing.
     * ``update_norm``: ``‖x_after − x_before‖`` over all parameters (the same on every rank).
+    * ``update_cosine``: the cosine between the descent the step applied (``x_before − x_after``)
+      and the workers' mean local gradient of the step (one more collective: a dense
+      ``hvd.allreduce`` of the local gradients), i.e. how much of the step points down this step's
+      batch gradient; plain SGD scores 1.
+    * ``momentum_cosine``: with ``momentum_correction=True``, the same cosine against the workers'
+      mean local momentum ``u``, which is what a dense step would apply (one more allreduce);
+      ``None`` otherwise.
     * ``momentum_norm``: RMS over ranks of the norm of the momentum the run holds: the wrapped
       SGD's ``momentum_buffer`` s (equal on every rank), or, with ``momentum_correction=True``,
       the plugin's local momentum ``u`` (per rank, of local gradients; read through
@@ -365,7 +372,8 @@ class Diagnostics:
       ``None`` if nothing was sent),
       ``released_residual_norm`` (RMS over ranks of the norm of ``r_before`` over the elements
       sent: the stale mass released this step), ``sent_fraction`` (``opt.last_stats.density``,
-      mean over ranks) and ``tensors``: per parameter that holds a residual, its
+      mean over ranks), ``kept_energy`` (``Σ‖r_after‖² / Σ‖r_before + e‖²`` over ranks: the share of
+      the pending energy that the selection left in the residual) and ``tensors``: per parameter that holds a residual, its
       ``residual_ratio`` (over its own local gradient's norm), ``residual_age`` and
       ``released_age``.
     """
@@ -389,9 +397,8 @@ class Diagnostics:
             sq = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
             self.grad_sq += sq
             self.tensor_sq[name] = self.tensor_sq.get(name, 0.0) + sq
-            if self.store is not None:
-                flat = g.reshape(-1)
-                self.grads[name] = flat.clone() if name not in self.grads else self.grads[name] + flat
+            flat = g.reshape(-1)
+            self.grads[name] = flat.clone() if name not in self.grads else self.grads[name] + flat
             return None
         return hook
 
@@ -414,8 +421,8 @@ class Diagnostics:
             return None
         return sum(float(torch.linalg.vector_norm(b, dtype=torch.float64)) ** 2 for b in bufs)
 
-    #: per parameter: grad_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq
-    PER = 7
+    #: per parameter: grad_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq, pending_sq
+    PER = 8
 
     def _residual_sums(self) -> list[list[float]]:
         """This rank's sums per parameter (:attr:`PER`, zeros for one without a residual), in the
@@ -442,6 +449,7 @@ class Diagnostics:
             sums[4] += float((ws * age).sum())
             sums[5] += float(ws.sum())
             sums[6] += float(torch.where(sent, before, zero).double().pow(2).sum())
+            sums[7] += float(w.pow(2).sum())
             age = torch.where(sent, torch.zeros_like(age), age + 1)
             a = r.abs().double()
             sums[1] += float(a.pow(2).sum())
@@ -454,8 +462,22 @@ class Diagnostics:
 
     def end(self, loss: float) -> dict:
         """After the step: this step's record (a collective: every rank calls it at every step)."""
-        update = float(torch.linalg.vector_norm(self._flat() - self.x0))
+        step = self.x0 - self._flat()  # −Δx: the descent this step applied
+        update = float(torch.linalg.vector_norm(step))
         ours = self.store is not None
+        mean_grad = hvd.allreduce(torch.cat([self.grads[n].double() if n in self.grads
+                                             else torch.zeros(p.numel(), dtype=torch.float64)
+                                             for n, p in self.named]),
+                                  op=hvd.Average, name="bench.diagnostics.grad")
+        mean_norm = float(torch.linalg.vector_norm(mean_grad))
+        align = float(step @ mean_grad) / (update * mean_norm) if update > 0 and mean_norm > 0 else None
+        momentum_cosine = None
+        if self.mc is not None:  # DGC's u: its mean over ranks is what a dense step would apply
+            mean_u = hvd.allreduce(torch.cat([self.mc.momentum(n).detach().reshape(-1).double()
+                                              for n, _ in self.named]),
+                                   op=hvd.Average, name="bench.diagnostics.momentum")
+            u_norm = float(torch.linalg.vector_norm(mean_u))
+            momentum_cosine = float(step @ mean_u) / (update * u_norm) if update > 0 and u_norm > 0 else None
         per = self._residual_sums() if ours else []
         mom = self._momentum_sq()
         density = float(self.opt.last_stats.density) if ours else 0.0
@@ -466,15 +488,17 @@ class Diagnostics:
         loss, grad_sq, mom_sq, density = total[:4]
         grad_norm = (grad_sq / n) ** 0.5
         rec = {"loss": loss / n, "grad_norm": grad_norm, "update_norm": update,
+               "update_cosine": align, "momentum_cosine": momentum_cosine,
                "momentum_norm": None if mom is None else (mom_sq / n) ** 0.5}
         if ours:
             rows = [total[4 + i * self.PER:4 + (i + 1) * self.PER] for i in range(len(self.named))]
-            g_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq = (sum(col) for col in zip(*rows))
+            g_sq, res_sq, res_abs_age, res_abs, rel_w_age, rel_w, rel_sq, pending_sq = (sum(col) for col in zip(*rows))
             residual = (res_sq / n) ** 0.5
             rec.update(residual_norm=residual, residual_ratio=residual / grad_norm if grad_norm > 0 else None,
                        residual_age=res_abs_age / res_abs if res_abs > 0 else 0.0,
                        released_age=rel_w_age / rel_w if rel_w > 0 else None,
-                       released_residual_norm=(rel_sq / n) ** 0.5, sent_fraction=density / n)
+                       released_residual_norm=(rel_sq / n) ** 0.5, sent_fraction=density / n,
+                       kept_energy=res_sq / pending_sq if pending_sq > 0 else None)
             rec["tensors"] = {name: {"residual_ratio": (row[1] / row[0]) ** 0.5 if row[0] > 0 else None,
                                      "residual_age": row[2] / row[3],
                                      "released_age": row[4] / row[5] if row[5] > 0 else None}
@@ -606,7 +630,8 @@ def lag_rows(runs: dict) -> dict:
                              _at(r["diagnostics"], "released_residual_norm", step) / _at(r["diagnostics"], "grad_norm", step)
                              if _at(r["diagnostics"], "released_residual_norm", step) is not None
                              and _at(r["diagnostics"], "grad_norm", step) else None for r in by_seed.values()]),
-                         "sent": med("sent_fraction"),
+                         "sent": med("sent_fraction"), "kept": med("kept_energy"),
+                         "cosine": med("update_cosine", 5),
                          "update_vs_dense": ratio("update_norm"), "momentum_vs_dense": ratio("momentum_norm")}
         out[step] = rows
     return out
@@ -620,14 +645,17 @@ def print_lag_table(model: str, task_cls, rows: dict, args, workers: int) -> Non
           f"metric: {task_cls.metric} at the nearest evaluation; loss: mean of the 5 steps up to the step; "
           "res/g: residual norm / local gradient norm; age: |r|-weighted mean age of the residual (steps); "
           "rel age: |sent|-weighted age of what was sent; rel/g: norm of the stale residual released / gradient "
-          "norm; upd/hvd, mom/hvd: update and momentum norm over Horovod's at the same step (same seed)")
+          "norm; kept: share of the pending energy kept in the residual; cos: cosine of the update with the "
+          "workers' mean gradient (mean of the 5 steps up to the step); upd/hvd, mom/hvd: update and momentum "
+          "norm over Horovod's at the same step (same seed)")
     print(f"{'step':>4} {'scheme':<20} {'metric':>7} {'loss':>6} {'grad':>6} {'res/g':>6} {'age':>5} {'rel age':>7} "
-          f"{'rel/g':>6} {'sent':>6} {'upd/hvd':>7} {'mom/hvd':>7}")
+          f"{'rel/g':>6} {'sent':>6} {'kept':>5} {'cos':>5} {'upd/hvd':>7} {'mom/hvd':>7}")
     for step, by_key in rows.items():
         for key, r in by_key.items():
             print(f"{step:>4} {key:<20} {f(r['metric'], '.4f'):>7} {f(r['loss5'], '.3f'):>6} "
                   f"{f(r['grad_norm'], '.3f'):>6} {f(r['residual_ratio'], '.2f'):>6} {f(r['residual_age'], '.2f'):>5} "
                   f"{f(r['released_age'], '.2f'):>7} {f(r['released_over_grad'], '.2f'):>6} {f(r['sent'], '.4f'):>6} "
+                  f"{f(r['kept'], '.2f'):>5} {f(r['cosine'], '.2f'):>5} "
                   f"{f(r['update_vs_dense'], '.2f'):>7} {f(r['momentum_vs_dense'], '.2f'):>7}")
 
 

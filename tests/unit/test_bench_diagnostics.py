@@ -75,7 +75,8 @@ def test_diagnostics_change_nothing(hvd, key):
     if key.startswith(("horovod", "safusion@0.05+classic")):  # the SGD's momentum: the update is lr times its buffer
         for r in recs:
             assert r["update_norm"] == pytest.approx(0.05 * r["momentum_norm"], rel=1e-4)
-    if key == "horovod":
+    if key == "horovod":  # the first step is lr times the gradient (the momentum buffer starts at it)
+        assert recs[0]["update_cosine"] == pytest.approx(1.0, abs=1e-9) and recs[0]["momentum_cosine"] is None
         assert "residual_norm" not in recs[0]
     else:
         assert recs[0]["residual_age"] == 1.0 and recs[0]["released_age"] == 0.0
@@ -110,6 +111,10 @@ def test_diagnostics_match_the_optimizer(hvd, mc):
         sent = {n: p.grad.detach().reshape(-1).clone() for n, p in names.items()}
         with opt.skip_synchronize():
             opt.step()
+        x_before = diag.x0.clone()
+        scale = 1 / (1 - 0.9) if mc else 1.0  # .grad holds (1 − m) of the aggregate under the correction
+        pending = {n: (opt.residuals.get(n, names[n].detach().reshape(-1)) + scale * sent[n]).double() for n in names}
+        u = {n: opt.local_momentum.momentum(n).detach().reshape(-1).double().clone() for n in names} if mc else None
         held = [n for n in names if n in opt.residuals.names() or n in ages]
         before = {n: ages.get(n, torch.zeros(names[n].numel(), dtype=torch.int32)) for n in held}
         rec = diag.end(float(loss.detach()))
@@ -127,6 +132,15 @@ def test_diagnostics_match_the_optimizer(hvd, mc):
             age_den += float(r.abs().double().sum())
             if r.abs().sum() > 0:
                 tensors[n] = float((r.abs().double() * ages[n]).sum() / r.abs().double().sum())
+        descent = x_before - torch.cat([p.detach().reshape(-1).double() for p in names.values()])
+        grad = torch.cat([local[n].double() for n in names])  # one worker: the mean gradient is its own
+        assert rec["update_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(descent, grad, dim=0)))
+        if mc:
+            flat_u = torch.cat([u[n] for n in names])
+            assert rec["momentum_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(descent, flat_u, dim=0)))
+        else:
+            assert rec["momentum_cosine"] is None
+        assert rec["kept_energy"] == pytest.approx(res_sq / sum(float(pending[n].pow(2).sum()) for n in held))
         assert held and all(torch.equal(ages[n], diag.age[n]) for n in held)
         assert rec["residual_norm"] == pytest.approx(res_sq ** 0.5)
         assert rec["residual_age"] == pytest.approx(age_num / age_den)
