@@ -353,9 +353,13 @@ class Controller:
         density = self.density_at(self.steps)
         rescale = self.loss_scale.begin(rescales=not (self.compressor.dense and self.momentum is None))
         regimes = self.regimes
-        as_half = regimes is not None and regimes.critical and regimes.half and not self.plan.dense
+        critical = regimes is not None and regimes.critical
+        as_half = critical and regimes.half and not self.plan.dense
+        # a critical step in float32 sends the residuals of the sparse steps before it along a
+        # chunk per step, at the rate those steps sent (as the dense plan does); in float16 whole
+        release = self.target_density if critical and not as_half and self.target_density < 1.0 else None
         self.mode = StepMode(dense=self.compressor.dense or self.plan.dense or density >= 1.0,
-                             density=density, rescale=rescale, step=self.steps, half=as_half)
+                             density=density, rescale=rescale, step=self.steps, half=as_half, release=release)
 
     def reset_step(self) -> None:
         """Drop the step in flight (a collective failed, or a state is being loaded). Buffers

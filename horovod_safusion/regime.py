@@ -8,8 +8,12 @@ detects them by a single test on the gradient's norm over an interval: if it cha
 η (0.5) relative to the previous interval's, the next interval is critical (Algorithm 1).
 Training starts critical, and the first comparison needs two intervals, so the first two
 intervals always are (as in the authors' code). Here a critical interval sends every element
-(the step's mode is dense, residuals included, over Horovod's allreduce); any other sends at the
-target density.
+(the step's mode is dense, over Horovod's allreduce); any other sends at the target density. The
+residuals of the sparse steps before it go along at the rate those steps sent them, a chunk per
+step (:func:`horovod_safusion.stages.fill.release`), as the dense plan's steps send them: all at
+once, many steps' residual would make one step several times a step's length, which the loss
+does not take well. A critical step sent as float16 sends them whole, so that what the residual
+keeps is the rounding error, exactly (:mod:`horovod_safusion.stages.half`).
 
 It also catches what error feedback cannot survive: when every tensor is sparsified, an element
 waits about 1/density steps in the residual, and an SGD whose momentum tolerates less delay

@@ -115,14 +115,15 @@ class Filler:
         """The gradient as it is sent dense, with the residual of earlier sparse steps and the
         momentum: into ``p.grad`` itself (reduced in place), or, in a buffer of small tensors,
         packed into the buffer's flat tensor. The residual goes along whole at density 1 (a
-        warm-up's dense steps); after sparse steps at a density below 1 it goes along a chunk per
-        step (:func:`release`), as fast as those steps would have sent it."""
+        warm-up's dense steps, a critical step sent as float16); after sparse steps at a density
+        below 1 (the dense plan's steps, a critical step sent as float32) it goes along a chunk
+        per step (:func:`release`), as fast as those steps would have sent it."""
         dst = buf.allocate("flat")[buf.segment(slot)] if buf.dense else step.grads[slot]
         name = buf.names[slot]
         r = self.residuals.pop(name)
         if self.momentum is not None:
             g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
-        if r is not None and mode.density < 1.0:
+        if r is not None and mode.release_density < 1.0:
             if holds(r, buf.flat, buf.segment(slot)):  # a dense step gives the buffer's flat up
                 r = r.clone()
             if dst is not g:
@@ -199,11 +200,12 @@ class Filler:
 
 
 def release(numel: int, mode: StepMode) -> slice:
-    """The chunk of a residual that a dense step sends along after sparse steps at ``mode.density``:
+    """The chunk of a residual that a dense step sends along after sparse steps at
+    ``mode.release_density``:
     chunk ``step mod K`` of ``K = ceil(1/density)`` equal runs, so that every element goes once in
     ``K`` steps — the rate at which the sparse steps sent — and every rank sends the same chunk.
     At once, a residual of many steps' unsent gradient (and, under momentum correction, momentum)
     is one update many times a step's, which a model can fail to recover from."""
-    k = math.ceil(1.0 / mode.density)
+    k = math.ceil(1.0 / mode.release_density)
     c = mode.step % k
     return slice(c * numel // k, (c + 1) * numel // k)
