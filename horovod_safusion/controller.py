@@ -357,7 +357,7 @@ class Controller:
         as_half = critical and regimes.half and not self.plan.dense
         # a critical step in float32 sends the residuals of the sparse steps before it along a
         # chunk per step, at the rate those steps sent (as the dense plan does); in float16 whole
-        release = self.target_density if critical and not as_half and self.target_density < 1.0 else None
+        release = self.target_density if critical and not as_half else density
         self.mode = StepMode(dense=self.compressor.dense or self.plan.dense or density >= 1.0,
                              density=density, rescale=rescale, step=self.steps, half=as_half, release=release)
 

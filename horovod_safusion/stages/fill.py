@@ -123,7 +123,7 @@ class Filler:
         r = self.residuals.pop(name)
         if self.momentum is not None:
             g = self.momentum.accumulate(buf, slot, g, mode.rescale, buf.on_host)
-        if r is not None and mode.release_density < 1.0:
+        if r is not None and mode.release < 1.0:
             if holds(r, buf.flat, buf.segment(slot)):  # a dense step gives the buffer's flat up
                 r = r.clone()
             if dst is not g:
@@ -200,12 +200,11 @@ class Filler:
 
 
 def release(numel: int, mode: StepMode) -> slice:
-    """The chunk of a residual that a dense step sends along after sparse steps at
-    ``mode.release_density``:
+    """The chunk of a residual that a dense step sends along after sparse steps at ``mode.release``:
     chunk ``step mod K`` of ``K = ceil(1/density)`` equal runs, so that every element goes once in
     ``K`` steps — the rate at which the sparse steps sent — and every rank sends the same chunk.
     At once, a residual of many steps' unsent gradient (and, under momentum correction, momentum)
     is one update many times a step's, which a model can fail to recover from."""
-    k = math.ceil(1.0 / mode.release_density)
+    k = math.ceil(1.0 / mode.release)
     c = mode.step % k
     return slice(c * numel // k, (c + 1) * numel // k)

@@ -30,7 +30,7 @@ class StepMode:
         half: a dense step whose float32 buffers (not the small tensors') go as float16, their
             rounding error kept (:mod:`.half`).
         release: the density at which a dense step sends the residuals of earlier sparse steps
-            along (:func:`~.fill.release`); ``None``: the step's own density (whole at 1).
+            along (:func:`~.fill.release`): below 1 a chunk per step, at 1 whole.
     """
 
     dense: bool
@@ -38,12 +38,7 @@ class StepMode:
     rescale: torch.Tensor | None = None
     step: int = 0
     half: bool = False
-    release: float | None = None
-
-    @property
-    def release_density(self) -> float:
-        """The density at which this step's dense fill sends residuals along (below 1: a chunk)."""
-        return self.density if self.release is None else self.release
+    release: float = 1.0
 
     def sends_dense(self, buf: FusionBuffer) -> bool:
         """Whether ``buf`` goes dense in this step: a dense step, or a buffer of small tensors."""
