@@ -54,8 +54,8 @@ network. Curves go to ``--out``/convergence_{model}.png, the table and every cur
 
 ``--steps N`` trains the first N steps only (instead of the epochs; the warm-ups' fractions are
 of N), ``--eval-every K`` evaluates every K steps instead of ``--evals`` per epoch, and
-``--digits-width`` / ``--digits-lr`` set the digits CNN's width and learning rate (defaults as
-above), ``--min-selected`` our schemes' ``min_selected`` (default: the optimizer's).
+``--digits-width`` / ``--digits-lr`` set the digits CNN's width and learning rate and ``--lstm-lr``
+the LSTM's (defaults as above), ``--min-selected`` our schemes' ``min_selected`` (default: the optimizer's).
 ``--diagnostics`` records at every step, for every scheme, the loss, the local gradient's norm, the update's and the momentum's norms, the update's cosine with the workers' mean gradient and, for ours, the error-feedback residual's norm and
 age and the age of what was sent (:class:`Diagnostics`), all global over the ranks; it prints one
 more table per model (medians over seeds at steps 11, 22, 44 and the last) and draws
@@ -172,7 +172,7 @@ class LSTM(Task):
         self.train_ids, valid, self.itos = stdlib_split(vocab=4000, max_chars=1_500_000)
         self.valid = valid[:args.valid_tokens]
         self.n_train = (len(self.train_ids) - 1) // self.bptt  # windows
-        self.batch, self.lr, self.epochs = 16, 0.5, args.lstm_epochs
+        self.batch, self.lr, self.epochs = 16, args.lstm_lr, args.lstm_epochs
 
     def model(self):
         return LSTMLanguageModel(len(self.itos), embed=128, hidden=128, layers=1, dropout=0.2)
@@ -698,7 +698,7 @@ def plot_lag(model: str, task_cls, runs: dict, path: str) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 #: The options of the training itself (the tasks' length, evaluation and warm-up), which
 #: ``bench_time_to_accuracy`` passes on to its workers.
-TRAINING_ARGS = ("digits_epochs", "digits_width", "digits_lr", "lstm_epochs", "evals", "valid_tokens",
+TRAINING_ARGS = ("digits_epochs", "digits_width", "digits_lr", "lstm_epochs", "lstm_lr", "evals", "valid_tokens",
                  "warmup_fraction")
 
 
@@ -710,6 +710,7 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--digits-lr", type=float, default=0.05, help="digits: the SGD's learning rate (not scaled "
                     "by the worker count; examples/train_digits.py uses 0.02 × workers)")
     ap.add_argument("--lstm-epochs", type=int, default=2)
+    ap.add_argument("--lstm-lr", type=float, default=0.5, help="lstm: the SGD's learning rate")
     ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
     ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
     ap.add_argument("--warmup-fraction", type=float, default=0.1,

@@ -197,6 +197,14 @@ class Controller:
         if self.momentum is not None:
             gather(self.buffers, self.momentum.momenta, "momentum")
 
+    def drop_momentum(self) -> None:
+        """Give up the local momentum ``u`` (``momentum_correction="auto"`` turned the correction
+        off): the wrapped SGD applies its own from now on, and the buffers' momentum planes are
+        freed. The residuals stay as they are."""
+        self.momentum = self.filler.momentum = None
+        for buf in self.buffers:
+            buf.momentum = None
+
     def switch_plan(self, plan: FusionPlan) -> None:
         """:meth:`set_plan`, then check that every rank switched to the same plan (a collective
         over the communicator's process set, SAFusion §3.2's alignment)."""
@@ -206,9 +214,11 @@ class Controller:
     # ---- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The job's part of the controller's state, the same on every rank: the step count, the
-        loss scale the residuals are at, the fusion plan (JSON), and what made the residuals (the
-        compressor's class and density, the communicator's class)."""
+        loss scale the residuals are at, the fusion plan (JSON), what made the residuals (the
+        compressor's class and density, the communicator's class), and whether the plugin holds a
+        local momentum."""
         return {"steps": self.steps, "loss_scale": self.loss_scale.residuals,
+                "local_momentum": self.momentum is not None,
                 "compressor": type(self.compressor).__name__, "density": self.asked_density,
                 "communicator": type(self.communicator).__name__, "plan": self.plan.to_json(),
                 "regimes": self.regimes.state_dict() if self.regimes is not None else None}

@@ -85,7 +85,7 @@ class Joining:
             if name in ctl.params:
                 raise ValueError(f"a parameter that joins at step {step} is named {name!r}, the name of a "
                                  "parameter already synchronised: pass named_parameters covering it")
-        check_momentum(opt, opt._momentum_correction, opt._options.ef21)
+        check_momentum(opt, opt.momentum_correction, opt._options.ef21)
         handles = [hvd.broadcast_async_(p.detach(), root_rank=ranks[0], name=session.collective(f"saf.join.{name}"),
                                         process_set=ps) for name, p in joining]
         for handle in handles:

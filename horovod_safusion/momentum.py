@@ -16,8 +16,14 @@ pushing in a stale direction. Steps sent dense (warm-up, the dense choice, densi
 whole, as DGC's uncompressed tensors do: at density 1 this is SGD with momentum (to rounding).
 Where DGC's code hands the wrapped optimizer the aggregate itself, ``synchronize()`` here leaves
 ``(1 − m)`` of it in ``.grad`` and the step runs at ``lr/(1 − m)`` (:func:`to_gradient_scale`):
-the same step, but a clip between ``synchronize()`` and ``step()`` then acts on the gradient's
-scale, as the user chose its bound (DGC §3.2 clips locally instead: ``local_clipping``).
+the same step, with ``.grad`` at the gradient's scale. A clip between ``synchronize()`` and
+``step()`` (Horovod's recipe) still bounds an aggregate of momenta, not each step's gradient
+before momentum: where it binds, every step runs at the bound, longer than Horovod's (DGC §3.2
+clips locally instead: ``local_clipping``). So ``momentum_correction="auto"`` watches the first
+step (:class:`GradientWatch`) and, where the script changed the gradients, turns the correction
+off and leaves the momentum to the SGD; that first step's ``u`` is the bare gradient, the weight
+decay left to the SGD, so that it is the SGD's own first step either way
+(:func:`first_gradient_scale`, :meth:`MomentumCorrection.add_weight_decay`).
 
 :class:`MomentumCorrection` owns ``u``: per parameter, a view of its fusion buffer's momentum
 plane (:mod:`horovod_safusion.buffer`), one flat tensor per gradient element, updated in place
@@ -54,7 +60,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -107,12 +113,11 @@ def to_gradient_scale(groups: Sequence[dict]) -> None:
     """Scale each parameter's aggregate momentum in ``.grad`` by ``1 − m`` of its group, in place.
 
     Under DGC's correction the aggregate is a sum of momenta ``u``, about ``1/(1 − m)`` times the
-    gradients they accumulate. A script that clips (or measures) ``.grad`` between
-    ``synchronize()`` and ``step()`` — Horovod's recipe for gradient clipping — would clip
-    momentum ten times larger than the gradients its bound was chosen for (m = 0.9), and train at
-    a tenth of its step. In the gradient's units the bound means what it means without the plugin;
-    :func:`momentum_suspended` with ``rescaled=True`` then steps at ``lr/(1 − m)``, so that without
-    a clip the step is DGC's ``lr · u`` (to rounding)."""
+    gradients they accumulate. A script that measures ``.grad`` between ``synchronize()`` and
+    ``step()`` then sees the gradient's scale, not momentum ten times larger (m = 0.9);
+    :func:`momentum_suspended` with ``rescaled=True`` steps at ``lr/(1 − m)``, so that the step
+    is DGC's ``lr · u`` (to rounding). A clip there still acts on momentum (see the module's
+    docstring)."""
     for group in groups:
         keep = 1.0 - float(group["momentum"])
         if keep == 1.0:
@@ -123,23 +128,56 @@ def to_gradient_scale(groups: Sequence[dict]) -> None:
 
 
 @contextmanager
-def momentum_suspended(groups: Sequence[dict], momentum: float = 0, rescaled: bool = False) -> Iterator[None]:
-    """Run the wrapped SGD's step with ``momentum`` and without weight decay or Nesterov (the
-    plugin applied momentum and weight decay before sparsification: 0 for DGC's correction; 1 for
-    EF21-SGDM, whose buffer sums the aggregate increments), and with ``rescaled`` at
-    ``lr/(1 − m)`` (``.grad`` holds ``1 − m`` of the aggregate: :func:`to_gradient_scale`),
-    restoring the groups' values afterwards, so that ``param_groups``, LR and momentum schedulers
-    and ``state_dict()`` see what the user set."""
+def momentum_suspended(groups: Sequence[dict], momentum: float = 0, rescaled: bool = False,
+                       decay: bool = False) -> Iterator[None]:
+    """Run the wrapped SGD's step with ``momentum`` and without Nesterov or (unless ``decay``)
+    weight decay (the plugin applied momentum and weight decay before sparsification: 0 for DGC's
+    correction; 1 for EF21-SGDM, whose buffer sums the aggregate increments), and with
+    ``rescaled`` at ``lr/(1 − m)`` (``.grad`` holds ``1 − m`` of the aggregate:
+    :func:`to_gradient_scale`), restoring the groups' values afterwards, so that ``param_groups``,
+    LR and momentum schedulers and ``state_dict()`` see what the user set."""
     saved = [{k: g[k] for k in MOMENTUM_KEYS + ("lr",) if k in g} for g in groups]
     try:
         for g in groups:
             if rescaled:
                 g["lr"] = g["lr"] / (1.0 - float(g["momentum"]))
-            g.update(momentum=momentum, weight_decay=0, nesterov=False)
+            g.update(momentum=momentum, nesterov=False, **({} if decay else {"weight_decay": 0}))
         yield
     finally:
         for g, s in zip(groups, saved):
             g.update(s)
+
+
+def first_gradient_scale(groups: Sequence[dict], back: bool = False) -> None:
+    """Turn the aggregate of the first step's momentum in ``.grad`` into the gradient the wrapped
+    SGD would have stepped on, in place (``back``: the other way). The first ``u`` is the
+    gradient (:attr:`MomentumCorrection.decay` off), and with Nesterov what was sent is ``(1 + m)``
+    times that (:meth:`MomentumCorrection.accumulate`); without Nesterov nothing changes."""
+    for group in groups:
+        if group.get("nesterov", False):
+            factor = 1.0 + float(group["momentum"])
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor) if back else p.grad.div_(factor)
+
+
+class GradientWatch:
+    """Whether the script changed the aggregated gradients between ``synchronize()`` and
+    ``step()``: Horovod's recipe for a clip (``clip_grad_norm_`` scales every gradient in place,
+    by 1 where the bound does not bind) or for a ``GradScaler``'s ``unscale_``. A tensor's version
+    counter moves with every in-place change, so the watch costs one read per parameter."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def record(self, params: Iterable[torch.Tensor]) -> None:
+        """Remember each parameter's ``.grad`` and its version (at the end of ``synchronize()``)."""
+        self._seen = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+
+    def changed(self) -> bool:
+        """Whether some ``.grad`` recorded was changed in place or replaced since; forgets them."""
+        seen, self._seen = self._seen, []
+        return any(p.grad is not g or g._version != version for p, g, version in seen)
 
 
 class MomentumCorrection:
@@ -154,6 +192,9 @@ class MomentumCorrection:
 
     Attributes:
         momenta: the per-parameter ``u``, views of the buffers' momentum planes.
+        decay: whether ``u`` takes the weight decay; off for the first step of
+            ``momentum_correction="auto"``, whose weight decay the SGD applies
+            (:meth:`add_weight_decay`).
     """
 
     def __init__(self, groups: Sequence[dict], masking: bool = True,
@@ -164,6 +205,7 @@ class MomentumCorrection:
         self.masking = masking and not increments
         self.params = dict(params or {})
         self.momenta = ResidualStore()
+        self.decay = True
 
     def add(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Take over the momentum of parameters that joined (a group added to ``groups``, the
@@ -202,7 +244,7 @@ class MomentumCorrection:
         p = buf.params[slot]
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
-        d = g if wd == 0 else torch.add(g, p.detach().reshape(-1), alpha=wd)
+        d = g if wd == 0 or not self.decay else torch.add(g, p.detach().reshape(-1), alpha=wd)
         if self.increments:
             return self._increment(u, d, m, rescale, on_host)
         finite = on_host and bool(torch.isfinite(d.sum()))
@@ -235,6 +277,16 @@ class MomentumCorrection:
         else:
             u.add_(torch.where(torch.isfinite(delta), delta, torch.zeros_like(delta)))
         return delta
+
+    def add_weight_decay(self) -> None:
+        """``u += wd · w`` for every parameter that has a ``u``, and :attr:`decay` on again: the
+        first step's ``u`` is then DGC's ``g + wd·w`` (call it before the weights move)."""
+        for name, p in self.params.items():
+            u = self.momenta.peek(name)
+            wd = float(self._group[id(p)]["weight_decay"])
+            if u is not None and wd != 0:
+                u.add_(p.detach().reshape(-1), alpha=wd)
+        self.decay = True
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent."""

@@ -47,7 +47,10 @@ from .elastic import Membership
 from .fusion import Planner, Profile
 from .joining import Joining
 from .compressors import loading
-from .momentum import MomentumCorrection, momentum_suspended, to_gradient_scale
+from .announce import announce
+from .density import AUTO
+from .momentum import (GradientWatch, MomentumCorrection, first_gradient_scale, momentum_suspended,
+                       to_gradient_scale)
 from .options import Options
 from .plan import FusionPlan, check_plan_across_ranks
 from .profiling import OnlineProfiler
@@ -91,7 +94,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._named_trainable = [(self._parameter_names[p], p) for p in reversed(trainable)]
         parts = assemble(self, options, groups, self._named_trainable, self._parameter_names)
         self._planner, self._profiler, self._controller = parts.planner, parts.profiler, parts.controller
-        self._momentum_correction = parts.momentum_correction
+        # momentum_correction="auto" decides at the first step whether the script changes the
+        # gradients between synchronize() and step() (see _first_corrected_step)
+        self._correction_pending = parts.momentum_correction and options.momentum_correction == AUTO
+        if self._correction_pending:
+            self._controller.momentum.decay = False
+        self._watch = GradientWatch()
         if not parts.compressor.dense and options.dense is not True:  # loaded while the first steps wait
             loading.load(p.dtype for _, p in self._named_trainable if p.device.type == "cpu")
         self._start(parts.compressor, parts.communicators, make_recorder(options.timeline))
@@ -180,8 +188,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def momentum_correction(self) -> bool:
         """Whether the plugin applies the wrapped SGD's momentum (DGC's momentum correction), as
-        ``momentum_correction=`` asked or ``"auto"`` decided."""
-        return self._momentum_correction
+        ``momentum_correction=`` asked or ``"auto"`` decided (``"auto"`` turns it off at the first
+        step where the script changes the gradients between ``synchronize()`` and ``step()``)."""
+        return self._controller.momentum is not None and not self._options.ef21
 
     @property
     def controller(self) -> Controller:
@@ -224,6 +233,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           "hvd.DistributedOptimizer?): error-feedback residuals start empty")
             return
         checkpoint.unpack(self._controller, self._profiler, saved)
+        if self._correction_pending and int(saved.get("steps", 0)) > 0:  # decided by the run saved
+            self._correction_pending = False
+            self._controller.momentum.decay = True
+            if saved.get("local_momentum") is False:
+                self._controller.drop_momentum()
 
     def state_dict(self, *args, all_ranks: bool = False, **kwargs):
         """Torch's ``state_dict`` plus, under ``"safusion"``: this rank's error-feedback residuals,
@@ -286,8 +300,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._controller.synchronize(self._launched, len(joining))
         if self._controller.joining[1]:  # some rank adds parameters: every rank checks, then all add
             self._joining.join(joining)
-        if self._momentum_correction:
-            to_gradient_scale(self.param_groups)
+        if self.momentum_correction:
+            if self._correction_pending:  # the first u is the gradient: .grad in its units
+                first_gradient_scale(self.param_groups)
+                self._watch.record(self._controller.params.values())
+            else:
+                to_gradient_scale(self.param_groups)
         self._reset_delays()
         self._launched.clear()
         self._synchronized = True
@@ -323,10 +341,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        if self._momentum_correction or self._options.ef21:  # the plugin applied momentum and weight decay
+        if self._correction_pending:
+            loss = self._first_corrected_step(closure)
+        elif self.momentum_correction or self._options.ef21:  # the plugin applied momentum and weight decay
             # before sparsifying; EF21-SGDM's SGD buffer sums the aggregate increments (momentum 1)
             with momentum_suspended(self.param_groups, momentum=1 if self._options.ef21 else 0,
-                                    rescaled=self._momentum_correction):
+                                    rescaled=self.momentum_correction):
                 loss = super(self.__class__, self).step(closure)
         else:
             loss = super(self.__class__, self).step(closure)
@@ -335,6 +355,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._timeline is not None:
             self._timeline.step_ends()
         return loss
+
+    def _first_corrected_step(self, closure):
+        """The first step where ``momentum_correction="auto"`` turned DGC's correction on.
+
+        Under the correction, a clip between ``synchronize()`` and ``step()`` bounds the aggregate
+        of accumulated momenta, not each step's gradient as it does under Horovod, and a script
+        tuned for Horovod then takes steps several times longer. So the first step decides. Its
+        ``u`` is the gradient (the weight decay left to the SGD), and ``.grad`` holds its
+        aggregate unscaled, the gradient's units. Where the script changed the gradients
+        (:class:`~horovod_safusion.momentum.GradientWatch`), the correction is off for the rest of
+        training (classic error feedback under the SGD's own momentum), and this step is the SGD's
+        own first step: on a dense step, Horovod's. Elsewhere ``u`` takes the weight decay and the
+        step is DGC's first (with Nesterov, its weight decay is not multiplied by ``1 + m``). On a
+        sparse first step, the SGD applies the weight decay to every element at once. The
+        residuals keep what they hold."""
+        self._correction_pending = False
+        if self._watch.changed():
+            self._controller.drop_momentum()
+            announce("the script changes the gradients between synchronize() and step() (a clip, an "
+                     "unscale_): momentum correction off, so that the SGD's momentum takes them as with "
+                     "Horovod (momentum_correction=True keeps it)")
+            return super(self.__class__, self).step(closure)
+        first_gradient_scale(self.param_groups, back=True)
+        self._controller.momentum.add_weight_decay()
+        with momentum_suspended(self.param_groups, momentum=0, decay=True):
+            return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._launched:

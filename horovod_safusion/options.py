@@ -80,13 +80,16 @@ class Options:
         momentum (and weight decay, and Nesterov) is accumulated per worker *before*
         sparsification, and the SGD then steps without them (its ``param_groups`` keep the values
         you set, read every step); ``synchronize()`` leaves ``(1 − m)`` times the aggregate in
-        ``.grad``, the gradient's scale, and the step runs at ``lr/(1 − m)``, so a clip after
-        ``synchronize()`` bounds what it bounds without the plugin. ``"auto"`` (the default): on
-        for an SGD with momentum (no ``dampening``, no ``maximize``) whose gradients are
-        sparsified, off otherwise (other optimizers, ``compressor="none"`` or ``"exdyna"``,
-        ``dense=True``, ``error_feedback="ef21-sgdm"``). ``True`` needs an SGD with ``momentum > 0``; anything else
-        is then an error, so momentum is never applied twice. ``False``: classic error feedback
-        under the SGD's own momentum.""")
+        ``.grad``, the gradient's scale, and the step runs at ``lr/(1 − m)``. A clip after
+        ``synchronize()`` then bounds that aggregate of momenta, not each step's gradient as under
+        Horovod (use ``local_clipping``). ``"auto"`` (the default): on for an SGD with momentum (no
+        ``dampening``, no ``maximize``) whose gradients are sparsified, off otherwise (other
+        optimizers, ``compressor="none"`` or ``"exdyna"``, ``dense=True``,
+        ``error_feedback="ef21-sgdm"``), and turned off at the first step where the script changes
+        the gradients between ``synchronize()`` and ``step()`` (a clip), so that the SGD's momentum
+        takes them as under Horovod. ``True`` needs an SGD with ``momentum > 0``; anything else is
+        then an error, so momentum is never applied twice. ``False``: classic error feedback under
+        the SGD's own momentum.""")
     momentum_masking: Any = _option(None, """
         with momentum correction, clear the momentum of the elements a sparse step sent (DGC's
         momentum factor masking, §3.3). Default: on with ``momentum_correction=True`` (as in DGC),

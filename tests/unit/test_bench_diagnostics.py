@@ -15,7 +15,7 @@ import bench_convergence as bench  # noqa: E402
 
 
 def options(**kw) -> argparse.Namespace:
-    base = dict(digits_epochs=1, lstm_epochs=1, evals=4, valid_tokens=1000, warmup_fraction=0.1, steps=None,
+    base = dict(digits_epochs=1, lstm_epochs=1, lstm_lr=0.5, evals=4, valid_tokens=1000, warmup_fraction=0.1, steps=None,
                 eval_every=None, diagnostics=False, digits_width=8, digits_lr=0.05)
     base.update(kw)
     return argparse.Namespace(**base)

@@ -2,6 +2,7 @@
 correction and factor masking (exact conservation of the new state, masking, equivalence with
 SGD's momentum when everything is sent, EF21-SGDM's too), local gradient clipping, and the
 density warm-up."""
+import copy
 import math
 
 import pytest
@@ -276,3 +277,65 @@ def test_momentum_correction_auto_leaves_other_optimizers_alone_and_rejects_bad_
     with pytest.raises(ValueError, match=r"momentum_correction must be True, False or 'auto', got 'on'"):
         saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), momentum_correction="on")
+
+
+def clipped_steps(pairs, steps, max_norm=0.05, start=0):
+    """Horovod's clipping recipe on each ``(model, optimizer)``: ``synchronize()``, clip,
+    ``step()`` under ``skip_synchronize()``."""
+    for step in range(start, start + steps):
+        for mdl, o in pairs:
+            o.zero_grad()
+            backward(mdl, step)
+            o.synchronize()
+            torch.nn.utils.clip_grad_norm_(mdl.parameters(), max_norm)
+            with o.skip_synchronize():
+                o.step()
+
+
+@pytest.mark.parametrize("nesterov,weight_decay", [(False, 0.0), (True, 0.0), (False, 1e-3)])
+def test_momentum_correction_auto_turns_off_where_the_script_clips(hvd, nesterov, weight_decay):
+    """Under DGC's correction a clip after ``synchronize()`` bounds the aggregate of accumulated
+    momenta, not each step's gradient: with a bound that binds, the run's dense steps were several
+    times Horovod's. ``"auto"`` sees the clip at the first step and turns the correction off, so
+    the dense steps (critical intervals) are Horovod's, clip and momentum included, to rounding;
+    the momentum planes are freed and a checkpoint keeps the decision."""
+    kw = dict(nesterov=nesterov, weight_decay=weight_decay)
+    ref_model, ref = make(compressor="none", fusion="horovod", **kw)
+    model, opt = make(compressor="dgc", density=0.05, dense=False, critical_regimes=10, **kw)
+    assert opt.momentum_correction is True
+    clipped_steps([(ref_model, ref), (model, opt)], 6)
+    assert opt.momentum_correction is False and opt.local_momentum is None
+    assert all(buf.momentum is None for buf in opt.controller.buffers)
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} is not Horovod's")
+    state = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as if saved to a file
+    model2, opt2 = make(compressor="dgc", density=0.05, dense=False, critical_regimes=10, **kw)
+    model2.load_state_dict(state[0])
+    opt2.load_state_dict(state[1])
+    assert opt2.momentum_correction is False
+    clipped_steps([(model, opt), (model2, opt2)], 3, start=6)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), f"{n}: the resumed run differs"
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_momentum_correction_auto_stays_on_where_the_script_leaves_the_gradients(hvd, explicit):
+    """Without a change between ``synchronize()`` and ``step()`` (reading the gradients is no
+    change) ``"auto"`` keeps the correction, and its first step is DGC's: with everything sent,
+    SGD with momentum, to rounding."""
+    ref_model, ref = make(compressor="none", fusion="horovod", weight_decay=1e-3)
+    model, opt = make(compressor="dgc", density=0.05, dense=False, critical_regimes=10, weight_decay=1e-3)
+    for step in range(4):
+        for mdl, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            backward(mdl, step)
+            if explicit:
+                o.synchronize()
+                float(sum(p.grad.norm() for p in mdl.parameters()))
+                with o.skip_synchronize():
+                    o.step()
+            else:
+                o.step()
+    assert opt.momentum_correction is True and opt.local_momentum is not None
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
