@@ -17,9 +17,9 @@ from the same initialisation on the same data order for every scheme and seed:
   units, vocabulary 4,000, dropout 0.2: 1.16 M weights, 89 % in the embedding and the decoder) on
   the Python standard library's source tokenised with :mod:`tokenize` (``examples/corpus.py``;
   the first 1.5 M characters, every 10th file held out: about 180 k training tokens, the first
-  20 k held-out tokens evaluated), 16 sequences × 35 tokens per worker, SGD lr 0.5 momentum 0.9,
-  gradients clipped to norm 0.25
-  as a Horovod user does (``synchronize()``, ``clip_grad_norm_``, ``step()`` under
+  20 k held-out tokens evaluated), 16 sequences × 35 tokens per worker, SGD lr 3.2 (near dense's
+  best at this budget; docs/benchmarks.md has the sweep) momentum 0.9, gradients clipped to norm
+  0.25 as a Horovod user does (``synchronize()``, ``clip_grad_norm_``, ``step()`` under
   ``skip_synchronize()``), ``--lstm-epochs`` epochs; metric: validation perplexity (lower is better).
 
 Schemes (labels of :mod:`schemes`' grammar, the same everywhere): ``horovod``
@@ -710,7 +710,8 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--digits-lr", type=float, default=0.05, help="digits: the SGD's learning rate (not scaled "
                     "by the worker count; examples/train_digits.py uses 0.02 × workers)")
     ap.add_argument("--lstm-epochs", type=int, default=2)
-    ap.add_argument("--lstm-lr", type=float, default=0.5, help="lstm: the SGD's learning rate")
+    ap.add_argument("--lstm-lr", type=float, default=3.2, help="lstm: the SGD's learning rate (0.5 before "
+                    "2026-11-29, far below dense's best)")
     ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
     ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
     ap.add_argument("--warmup-fraction", type=float, default=0.1,

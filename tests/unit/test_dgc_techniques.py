@@ -339,3 +339,25 @@ def test_momentum_correction_auto_stays_on_where_the_script_leaves_the_gradients
     assert opt.momentum_correction is True and opt.local_momentum is not None
     for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{n} diverged")
+
+
+def test_after_a_clip_turned_the_correction_off_sparse_steps_conserve_the_gradient(hvd):
+    """Forced sparse from the first step: once ``"auto"`` has seen the clip, the residual gains
+    the bare gradient, and ``residual_after + sent == residual_before + gradient`` exactly, per
+    parameter, as under classic error feedback."""
+    model, opt = make(compressor="topk", density=0.05, dense=False, weight_decay=1e-3)
+    names = dict(model.named_parameters())
+    clipped_steps([(model, opt)], 1)
+    assert opt.momentum_correction is False
+    for step in range(1, 4):
+        before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
+        opt.zero_grad()
+        backward(model, step)
+        grads = {n: p.grad.detach().view(-1).clone() for n, p in names.items()}
+        opt.synchronize()
+        for n, p in names.items():
+            sent = p.grad.view(-1)
+            assert torch.equal(opt.residuals.get(n, sent) + sent, before[n] + grads[n]), f"{n}: step {step}"
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            opt.step()
