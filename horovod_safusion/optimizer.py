@@ -96,8 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._planner, self._profiler, self._controller = parts.planner, parts.profiler, parts.controller
         # momentum_correction="auto" decides at the first step whether the script changes the
         # gradients between synchronize() and step() (see _first_corrected_step)
-        self._correction_pending = parts.momentum_correction and options.momentum_correction == AUTO
-        if self._correction_pending:
+        if parts.momentum_correction and options.momentum_correction == AUTO:
             self._controller.momentum.decay = False
         self._watch = GradientWatch()
         if not parts.compressor.dense and options.dense is not True:  # loaded while the first steps wait
@@ -193,6 +192,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._controller.momentum is not None and not self._options.ef21
 
     @property
+    def _correction_pending(self) -> bool:
+        """Whether ``"auto"``'s first step is still to decide: until then its ``u`` takes no weight
+        decay (:attr:`~horovod_safusion.momentum.MomentumCorrection.decay`)."""
+        momentum = self._controller.momentum
+        return momentum is not None and not momentum.decay
+
+    @property
     def controller(self) -> Controller:
         """The runtime behind the hooks (SAFusion §4): fusion buffers, mode, step count, observer
         (read it; change the plan through :meth:`set_plan`)."""
@@ -234,7 +240,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         checkpoint.unpack(self._controller, self._profiler, saved)
         if self._correction_pending and int(saved.get("steps", 0)) > 0:  # decided by the run saved
-            self._correction_pending = False
             self._controller.momentum.decay = True
             if saved.get("local_momentum") is False:
                 self._controller.drop_momentum()
@@ -370,7 +375,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         step is DGC's first (with Nesterov, its weight decay is not multiplied by ``1 + m``). On a
         sparse first step, the SGD applies the weight decay to every element at once. The
         residuals keep what they hold."""
-        self._correction_pending = False
         if self._watch.changed():
             self._controller.drop_momentum()
             announce("the script changes the gradients between synchronize() and step() (a clip, an "
