@@ -12,9 +12,27 @@ from typing import Any, Callable
 
 import torch
 
-# Offset from perf_counter() to the Unix epoch, taken once: perf_counter is monotonic and precise,
-# time.time() is on the axis that Horovod's Timeline header uses (start_time_since_epoch_in_micros).
-_EPOCH_OFFSET = time.time() - time.perf_counter()
+
+def epoch_offset(samples: int = 32) -> float:
+    """Seconds from ``perf_counter()`` to the Unix epoch: ``perf_counter`` is monotonic and precise,
+    ``time.time()`` is on the axis of Horovod's Timeline header (``start_time_since_epoch_in_micros``).
+
+    One pair of reads is off by however long the process was descheduled between them, which on
+    a busy host shifts a whole rank's timeline against the others. So each ``time.time()`` is
+    bracketed by two ``perf_counter()`` reads and the tightest bracket of ``samples`` gives the offset.
+    """
+    best = None
+    for _ in range(samples):
+        before = time.perf_counter()
+        wall = time.time()
+        after = time.perf_counter()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) / 2)
+    return best[1]
+
+
+# Taken once, at import.
+_EPOCH_OFFSET = epoch_offset()
 
 
 class Clock:

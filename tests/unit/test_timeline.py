@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import horovod_safusion as saf
 from horovod_safusion.__main__ import main
+from horovod_safusion.clock import epoch_offset
 from horovod_safusion.fusion import NaivePlanner
 from horovod_safusion.timeline import TimelineRecorder, TraceError, load_events
 from horovod_safusion.timeline.breakdown import PARTS, breakdown
@@ -239,3 +240,22 @@ def test_pause_records_nothing_and_resume_goes_on(hvd, tmp_path):
     rec.close()
     steps = sorted(e["args"]["step"] for e in load_events(rec.path) if e.get("name") == "ITERATION")
     assert steps == [1, 2, 7, 8]  # steps 3-5 paused; 0 and 6 have no start
+
+
+def test_epoch_offset_ignores_a_read_descheduled_between_the_two_clocks(monkeypatch):
+    """A rank descheduled between its wall-clock and perf_counter reads must not shift its whole
+    timeline: here the first wall-clock read really stalls 5 ms before returning."""
+    real_time, calls = time.time, []
+
+    def stalled_time():
+        now = real_time()
+        if not calls:
+            time.sleep(0.005)
+        calls.append(now)
+        return now
+
+    monkeypatch.setattr(time, "time", stalled_time)
+    offset = epoch_offset()
+    monkeypatch.setattr(time, "time", real_time)
+    reference = epoch_offset(samples=1000)
+    assert len(calls) > 1 and abs(offset - reference) < 0.0005, (offset - reference, len(calls))
