@@ -21,14 +21,11 @@ def epoch_offset(samples: int = 32) -> float:
     a busy host shifts a whole rank's timeline against the others. So each ``time.time()`` is
     bracketed by two ``perf_counter()`` reads and the tightest bracket of ``samples`` gives the offset.
     """
-    best = None
-    for _ in range(samples):
-        before = time.perf_counter()
-        wall = time.time()
-        after = time.perf_counter()
-        if best is None or after - before < best[0]:
-            best = (after - before, wall - (before + after) / 2)
-    return best[1]
+    def bracket() -> tuple[float, float]:
+        before, wall, after = time.perf_counter(), time.time(), time.perf_counter()
+        return after - before, wall - (before + after) / 2
+
+    return min(bracket() for _ in range(samples))[1]
 
 
 # Taken once, at import.
