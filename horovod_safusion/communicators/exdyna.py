@@ -37,6 +37,7 @@ import horovod.torch as hvd
 from .. import wire
 from ..compressors.exdyna import ExDyna
 from ..session import collective
+from .accumulator import at_agreed
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
@@ -163,23 +164,10 @@ class ExDynaCommunicator(Communicator):
 
         def collect():
             gathered = wait(handle).to(torch.int64)  # U: disjoint, same on every rank
-            # Accumulator at U: own selected values + residual (Alg. 1 line 12).
-            order = torch.argsort(indices)
-            ordered = indices[order]
-            at = torch.searchsorted(ordered, gathered).clamp(max=max(0, ordered.numel() - 1))
-            hit = ordered[at] == gathered if ordered.numel() else torch.zeros_like(gathered, dtype=torch.bool)
-            own = torch.where(hit, values[order][at], 0) if ordered.numel() else torch.zeros(gathered.numel(), dtype=dtype, device=device)
-            contrib = own + residual[gathered] if residual is not None else own
-            sent, ctx = self.compression.compress(reduction.prescaled(contrib))
+            acc = at_agreed(gathered, indices, values, residual)  # Alg. 1 line 12
+            sent, ctx = self.compression.compress(reduction.prescaled(acc.contrib))
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
-            # Hand back what is not sent: non-exclusive selections outside U, minus the residual sent at U.
-            delivered = torch.zeros(indices.numel(), dtype=torch.bool, device=device)
-            delivered[order[at[hit]]] = True
-            back_idx, back_val = [indices[~delivered]], [values[~delivered]]
-            if residual is not None:
-                back_idx.append(gathered)
-                back_val.append(-residual[gathered])
-            state.update(gathered=gathered, sent=sent, leftover=(torch.cat(back_idx), torch.cat(back_val)))
+            state.update(gathered=acc.agreed, sent=sent, acc=acc)
             return self.compression.decompress(reduced, ctx).to(dtype)
 
         def decode(reduced):
@@ -197,10 +185,7 @@ class ExDynaCommunicator(Communicator):
             # all-gather: the other workers' indices; all-reduce: a ring's 2(n-1)/n of the values
             pending.bytes_received = (gathered.numel() - exclusive.numel()) * 4 + \
                 int(2 * (n - 1) / n * state["sent"].numel() * state["sent"].element_size())
-            back_idx, back_val = state["leftover"]
-            keep = back_val != 0
-            if bool(keep.any()):
-                pending.leftover = (back_idx[keep], reduction.unprescaled(back_val[keep]))
+            pending.leftover = state["acc"].leftover()  # raw values and residuals: not prescaled
 
         pending = Pending(collect, decode, exclusive.numel() * 4)
         return pending

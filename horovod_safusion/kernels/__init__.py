@@ -10,7 +10,9 @@ The operations of SAFusion's per-buffer data path (§3.1 Steps 1–3):
 * :func:`selection` — the per-segment threshold compare: counts at once, then the selected values
   and raw index bits straight into the wire tensor, zeroed in the buffer (the residual);
 * :func:`scatter_add`, :func:`decode_rows` — every rank's values added into the gradients of the
-  buffer's parameters, one tensor per segment, so the reduced buffer needs no memory of its own.
+  buffer's parameters, one tensor per segment, so the reduced buffer needs no memory of its own;
+* :func:`accumulator_at` — a rank's accumulator at indices the job agreed on (ExDyna's and
+  ScaleCom's all-reduce).
 
 Which path runs: the host path (:mod:`.host`, compiled by Numba) for CPU float32/float64 buffers
 unless ``HOROVOD_SAFUSION_DEVICE_PATH=1`` sends them down the device path (tests, benchmarks).
@@ -35,6 +37,7 @@ from .blocks import BlockTable, block_table
 from . import host, reference
 
 __all__ = ["BlockTable", "block_table", "segment_stats", "accumulate", "selection", "scatter_add", "decode_rows",
+           "accumulator_at",
            "uses_triton", "on_host", "paths", "reread", "Paths", "to_device", "constant"]
 
 CHOICES = ("torch", "triton")
@@ -194,6 +197,16 @@ def scatter_add(targets: tuple[torch.Tensor, ...], bounds: np.ndarray, indices: 
         _triton().scatter_add(values, indices, targets, bounds)
     else:
         reference.scatter_add(targets, bounds, indices, values)
+
+
+def accumulator_at(agreed: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+    """A rank's accumulator — ``values`` selected at ``indices`` plus its ``residual`` (the
+    buffer's unselected rest, or ``None``) — at the ``agreed`` indices; both index lists
+    ascending, int64."""
+    if on_host(values) and (residual is None or residual.is_contiguous()):
+        return host.accumulator_at(agreed, indices, values, residual)
+    return reference.accumulator_at(agreed, indices, values, residual)
 
 
 def decode_rows(rows: torch.Tensor, targets: tuple[torch.Tensor, ...], bounds: np.ndarray) -> None:

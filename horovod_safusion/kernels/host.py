@@ -12,6 +12,8 @@ reads every element once or a few times, with no temporary as large as a tensor:
 * :func:`scatter_add` — values at buffer-relative indices added into the gradient tensors of the
   buffer's segments (one tensor per segment, so the reduced gradient needs no buffer of its own):
   a counting sort by segment in one compiled call, then one ``index_add_`` per segment.
+* :func:`accumulator_at` — a rank's accumulator at indices the job agreed on (ExDyna's and
+  ScaleCom's all-reduce), one merge of two ascending index lists.
 """
 from __future__ import annotations
 
@@ -153,6 +155,30 @@ def scatter_add(targets: Sequence[torch.Tensor], bounds: np.ndarray, indices: to
             at += n
 
 
+@_jit
+def _merge_at(agreed, indices, values, residual, has_r, contrib):  # pragma: no cover - compiled
+    """One merge of two ascending index lists: the value selected at each agreed index (zero where
+    none was) plus the residual there."""
+    j, k = 0, indices.size
+    zero = contrib.dtype.type(0)
+    for i in range(agreed.size):
+        a = agreed[i]
+        while j < k and indices[j] < a:
+            j += 1
+        v = values[j] if j < k and indices[j] == a else zero
+        contrib[i] = v + residual[a] if has_r else v
+
+
+def accumulator_at(agreed: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+    """The accumulator (``values`` selected at ``indices``, plus ``residual``) at ``agreed``; both
+    index lists ascending, int64."""
+    contrib = torch.empty(agreed.numel(), dtype=values.dtype)
+    r = residual if residual is not None else values[:0]
+    _merge_at(agreed.numpy(), indices.numpy(), values.numpy(), r.numpy(), residual is not None, contrib.numpy())
+    return contrib
+
+
 def warm_up(dtypes: Sequence[torch.dtype] = DTYPES) -> None:
     """Compile the kernels for ``dtypes`` (default: float32 and float64) now (Numba caches them
     beside this module; where they are cached, this loads them)."""
@@ -163,3 +189,4 @@ def warm_up(dtypes: Sequence[torch.dtype] = DTYPES) -> None:
         _clear(x.numpy())
         scatter_add([torch.zeros(2, dtype=dtype), torch.zeros(2, dtype=dtype)], np.array([0, 2, 4]),
                     torch.tensor([3, 0, 1]), torch.ones(3, dtype=dtype))
+        accumulator_at(torch.tensor([0, 2]), torch.tensor([2, 3]), torch.ones(2, dtype=dtype), x)

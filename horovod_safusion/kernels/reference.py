@@ -145,3 +145,15 @@ def scatter_add(targets: tuple[torch.Tensor, ...], bounds, indices: torch.Tensor
     flat.index_add_(0, indices, values.to(flat.dtype))
     for t, lo, hi in zip(targets, bounds[:-1].tolist(), bounds[1:].tolist()):
         t.add_(flat[lo:hi])
+
+
+def accumulator_at(agreed: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+    """The accumulator (``values`` selected at ``indices``, plus ``residual``) at ``agreed``; both
+    index lists ascending, int64."""
+    if indices.numel():
+        at = torch.searchsorted(indices, agreed).clamp(max=indices.numel() - 1)
+        own = torch.where(indices[at] == agreed, values[at], 0)
+    else:
+        own = torch.zeros(agreed.numel(), dtype=values.dtype, device=values.device)
+    return own + residual[agreed] if residual is not None else own

@@ -1,5 +1,6 @@
-"""Multi-process checks of the seeds' sparse collectives (``spardl``, ``exdyna``, ``zen``), run by
-``test_collectives.py`` under ``horovodrun`` with 2, 3 and 4 workers.
+"""Multi-process checks of the seeds' sparse collectives (``spardl``, ``exdyna``, ``zen``) and
+ScaleCom's (``scalecom``), run by ``test_collectives.py`` under ``horovodrun`` with 2, 3 and 4
+workers.
 
 Each scenario runs on every rank with rank-dependent data (real gradients of the digits CNN) and
 writes one JSON record per rank. References are computed independently of the communicators:
@@ -31,11 +32,15 @@ from horovod_safusion.fusion import NaivePlanner  # noqa: E402
 
 DATA = None
 COMMS = ["spardl", "spardl-teams", "exdyna", "zen-bp", "zen-hc", "zen-collide",
-         "spardl-gloo", "spardl-horovod", "zen-bp-gloo", "zen-hc-gloo", "zen-bp-sparse"]
+         "spardl-gloo", "spardl-horovod", "zen-bp-gloo", "zen-hc-gloo", "zen-bp-sparse", "scalecom",
+         "scalecom-sparse", "exdyna-predivide", "scalecom-predivide"]
 #: The conservation scenario's density where it is not 0.05: ZEN's pull sends COO, not the bitmap,
-#: where an owner's aggregate is sparser than 1/32 of its index set.
-CONSERVATION_DENSITY = {"zen-bp-sparse": 0.005}
+#: where an owner's aggregate is sparser than 1/32 of its index set; so does ScaleCom's leader.
+CONSERVATION_DENSITY = {"zen-bp-sparse": 0.005, "scalecom-sparse": 0.005}
 FACTORIES = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdyna": lambda: "exdyna", "zen": lambda: "zen",
+             "scalecom": lambda: "scalecom", "scalecom-sparse": lambda: "scalecom",
+             # Horovod's prescale and postscale (gradient_predivide_factor): what goes back is unscaled
+             "exdyna-predivide": lambda: "exdyna", "scalecom-predivide": lambda: "scalecom",
              "zen-bp": lambda: Zen(scheme="bp"), "zen-hc": lambda: Zen(scheme="hc"),
              "zen-bp-sparse": lambda: Zen(scheme="bp"),
              # the rounds' transports by name (the others measure: "auto")
@@ -48,8 +53,10 @@ FACTORIES = {"allgather": lambda: "allgather", "spardl": lambda: "spardl", "exdy
 
 
 def comm_args(label: str, compressor: str = "topk") -> dict:
-    """``communicator=`` and its compressor (``exdyna`` always goes with ``exdyna``)."""
-    return {"communicator": FACTORIES[label](), "compressor": "exdyna" if label == "exdyna" else compressor}
+    """``communicator=`` and its compressor (``exdyna`` always goes with ``exdyna``), and Horovod's
+    ``gradient_predivide_factor`` for the ``-predivide`` labels."""
+    args = {"communicator": FACTORIES[label](), "compressor": "exdyna" if label.startswith("exdyna") else compressor}
+    return args | ({"gradient_predivide_factor": 2.0} if label.endswith("-predivide") else {})
 
 
 def batch(step: int, n: int = 32):
@@ -152,7 +159,8 @@ def scenario_training():
     for comm in TRAINED:
         m = make(width=16)
         opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
-                                       named_parameters=m.named_parameters(), density=0.1, fusion="safusion",
+                                       named_parameters=m.named_parameters(), density=TRAINED_DENSITY.get(comm, 0.1),
+                                       fusion="safusion",
                                        profile_steps=3, **comm_args(comm), dense=False, min_selected=0)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         for step in range(60):
@@ -168,7 +176,10 @@ def scenario_training():
     return out
 
 
-TRAINED = ["spardl", "exdyna", "zen"]
+TRAINED = ["spardl", "exdyna", "zen", "scalecom"]
+#: ScaleCom applies one leader's k elements of the sum a step, where the others apply up to P·k
+#: (the union of the ranks' selections): it trains at a density that applies about as many.
+TRAINED_DENSITY = {"scalecom": 0.3}
 
 
 def main():

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_safusion.communicators import (Allgather, Allreduce, ExDynaCommunicator, Outgoing, Reduction, SparDL,
-                                            Target, Zen)
+from horovod_safusion.communicators import (Allgather, Allreduce, ExDynaCommunicator, Outgoing, Reduction, ScaleCom,
+                                            SparDL, Target, Zen)
 from horovod_safusion.compressors import make_compressor
 from horovod_safusion.segment import Segments
 
@@ -35,7 +35,7 @@ def test_outgoing_of_a_dense_step_is_its_target():
     assert out.dtype == torch.float64 and out.rows is None and out.target is None
 
 
-@pytest.mark.parametrize("communicator", [Allgather, Allreduce, SparDL, lambda **kw: Zen(seed=1, **kw)])
+@pytest.mark.parametrize("communicator", [Allgather, Allreduce, SparDL, ScaleCom, lambda **kw: Zen(seed=1, **kw)])
 @pytest.mark.parametrize("op,prescale,postscale", [("Average", 0.5, 2.0), ("Sum", 1.0, 1.0)])
 def test_one_worker_start_writes_the_scaled_selection_into_the_target(hvd, communicator, op, prescale, postscale):
     comm = communicator(process_set=hvd.global_process_set, compression=hvd.Compression.none)

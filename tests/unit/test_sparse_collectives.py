@@ -12,11 +12,40 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from horovod_safusion.communicators.accumulator import ascending, at_agreed
+from horovod_safusion.kernels import reference
 from horovod_safusion.communicators.exdyna import Partitions, allocation
 from horovod_safusion.communicators.spardl import BSAGStep, SparDL, block_bounds, bruck_steps, srs_steps
 from horovod_safusion.communicators.zen import Zen, choose_scheme
 from horovod_safusion.communicators.zen_hash import (BITMAP, COO, AffinePartition, bitmap_decode, bitmap_encode,
                                                      hash_family, hierarchical_hash, pull_decode, pull_encode)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.booleans())
+def test_the_accumulator_at_agreed_indices_sends_or_keeps_every_element(numel, seed, picked, agreed_share, residual):
+    """ExDyna's and ScaleCom's all-reduce half: what this rank contributes at the agreed indices
+    plus what it hands back into its residual is its whole accumulator, element for element, and
+    at an agreed index it contributes its selected value plus its residual there."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.randn(numel, generator=g, dtype=torch.float64)
+    chosen = torch.rand(numel, generator=g) < picked
+    indices = torch.nonzero(chosen).view(-1)[torch.randperm(int(chosen.sum()), generator=g)]  # any order
+    rest = torch.where(chosen, 0.0, acc) if residual else None  # None: a protocol without a residual view
+    if rest is None:
+        acc = torch.where(chosen, acc, 0.0)
+    agreed = torch.nonzero(torch.rand(numel, generator=g) < agreed_share).view(-1)
+    agreed = agreed[torch.randperm(agreed.numel(), generator=g)]  # ExDyna's union comes in rank order
+    got = at_agreed(agreed, indices, acc[indices], rest)
+    assert torch.equal(got.agreed, torch.sort(agreed).values)  # one order on every rank: the all-reduce's
+    assert torch.equal(got.contrib, acc[got.agreed])
+    assert torch.equal(reference.accumulator_at(got.agreed, *ascending(indices, acc[indices]), rest), got.contrib)
+    after = (rest.clone() if rest is not None else torch.zeros(numel, dtype=torch.float64))
+    if got.leftover() is not None:
+        after.index_add_(0, *got.leftover())
+    sent = torch.zeros(numel, dtype=torch.float64).index_add_(0, got.agreed, got.contrib)
+    assert torch.equal(after + sent, acc)  # bit for bit: each value goes in and out whole
+    assert torch.equal(after[got.agreed], torch.zeros(got.agreed.numel(), dtype=torch.float64))
 
 
 @pytest.mark.parametrize("P", range(1, 34))
@@ -215,7 +244,7 @@ def test_one_worker_keeps_horovods_rounds_whatever_rounds_asks(hvd, rounds):
     assert comm.rounds.name == "horovod" and comm.round_seconds == {}
 
 
-@pytest.mark.parametrize("communicator", ["spardl", "exdyna", "zen"])
+@pytest.mark.parametrize("communicator", ["spardl", "exdyna", "zen", "scalecom"])
 def test_one_worker_job_applies_exactly_what_was_selected(hvd, communicator):
     """With one worker every communicator returns this worker's selection, and selection plus
     residual is the accumulated gradient (nothing lost)."""
