@@ -1,4 +1,4 @@
-"""``scalecom``: ScaleCom's cyclic local top-k (CLT-k; Chen et al., NeurIPS'20, §3; not in the
+"""``scalecom``: ScaleCom's cyclic local top-k (CLT-k; Chen et al., NeurIPS'20; not in the
 reference set): one leader's selection, every rank's accumulator summed there.
 
 Per fusion buffer and step:

@@ -44,6 +44,7 @@ CONFIGS = {
     "spardl": {"communicator": "spardl", "dense": False},
     "zen": {"communicator": "zen", "dense": False},
     "exdyna": {"communicator": "exdyna", "compressor": "exdyna", "dense": False},
+    "scalecom": {"communicator": "scalecom", "dense": False},
     "momentum_correction": {"momentum_correction": True, "dense": False},
     "ef21-sgdm": {"error_feedback": "ef21-sgdm", "dense": False},
     # critical intervals of 2 steps sent as float16 whatever the sweep measures (regime.HALF_MARGIN)

@@ -57,15 +57,19 @@ COMPRESSORS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk", "exdyn
 COMMUNICATORS = ("allgather", "allreduce", "spardl", "zen")
 
 
-def pairs(compressors=COMPRESSORS, communicators=COMMUNICATORS):
-    out = [(c, m) for c in compressors for m in communicators]
-    return out + ([("exdyna", "exdyna")] if "exdyna" in compressors else [])
+#: Communicators asked for by name with one compressor each: ExDyna's with its own, ScaleCom's
+#: (which sends the leader's selection whatever compressor made it) with the default.
+NAMED = (("exdyna", "exdyna"), ("dgc", "scalecom"))
+
+
+def pairs(compressors=COMPRESSORS, communicators=COMMUNICATORS, named=NAMED):
+    return [(c, m) for c in compressors for m in communicators] + [p for p in named if p[0] in compressors]
 
 
 def covering_pairs():
     """Every compressor once and every communicator once (for the slower oversubscribed jobs)."""
     return ([(c, "allgather") for c in COMPRESSORS] + [("dgc", m) for m in COMMUNICATORS if m != "allgather"]
-            + [("exdyna", "exdyna")])
+            + list(NAMED))
 
 
 def matrix(which):
@@ -283,7 +287,7 @@ def scenario_scaler():
 
 def scenario_fp16():
     out = {}
-    for comp, comm in pairs(("topk", "dgc"), ("allgather", "allreduce")):
+    for comp, comm in pairs(("topk", "dgc"), ("allgather", "allreduce"), named=()):
         torch.manual_seed(0)
         model = Net()
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),

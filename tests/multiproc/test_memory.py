@@ -28,9 +28,9 @@ PEAK = 2.0
 MOMENTUM = 1.0  # × the model, added by momentum correction and by EF21-SGDM (the local momentum u)
 SMALL = 1 << 20  # bytes: the small constant (per-segment state, thresholds, the profile)
 
-CONFIGS = ["default", "dense=False", "allgather", "allreduce", "spardl", "zen", "exdyna", "momentum_correction",
-           "ef21-sgdm", "critical_float16"]
-TAKES_MOMENTUM = ("default", "dense=False", "allgather", "allreduce", "spardl", "zen", "momentum_correction",
+CONFIGS = ["default", "dense=False", "allgather", "allreduce", "spardl", "zen", "exdyna", "scalecom",
+           "momentum_correction", "ef21-sgdm", "critical_float16"]
+TAKES_MOMENTUM = ("default", "dense=False", "allgather", "allreduce", "spardl", "zen", "scalecom", "momentum_correction",
                   "ef21-sgdm", "critical_float16")  # momentum_correction="auto" takes the SGD's momentum but under ExDyna
 
 pytestmark = pytest.mark.multiproc

@@ -66,7 +66,7 @@ def test_unused_toggled_zeroed_and_partial_parameters_neither_crash_nor_lose_gra
     zero_grad(set_to_none=True). The job conserves gradient mass and replicas agree."""
     which = "all" if config == "gloo-2" else "cover"  # 3 workers on 2 cores: each part once
     for rank_rec in run(config, out_dir / config, "edge", which):
-        assert len(rank_rec) == (29 if which == "all" else 11)
+        assert len(rank_rec) == (30 if which == "all" else 12)  # robust_worker.pairs() and covering_pairs()
         for scheme, r in rank_rec.items():
             assert r["replicas_equal"] and r["finite"], (scheme, r)
             assert r["conservation"] < 1e-6, (scheme, r)
