@@ -50,9 +50,9 @@ def ascending(indices: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor,
 
 def at_agreed(agreed: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
               residual: torch.Tensor | None) -> AtAgreed:
-    """The accumulator of this rank (``values`` selected at ``indices``, the rest in ``residual``,
-    which is zero where a value was selected) at the ``agreed`` indices (distinct, int64)."""
+    """The accumulator of this rank (``values`` selected at ``indices``, ascending — see
+    :func:`ascending` —, the rest in ``residual``, which is zero where a value was selected) at
+    the ``agreed`` indices (distinct, int64, in any order)."""
     (agreed,) = ascending(agreed)
-    indices, values = ascending(indices, values)
     contrib = kernels.accumulator_at(agreed, indices, values, residual)
     return AtAgreed(agreed, contrib, torch.cat([indices, agreed]), torch.cat([values, -contrib]))

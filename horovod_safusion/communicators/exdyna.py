@@ -37,7 +37,7 @@ import horovod.torch as hvd
 from .. import wire
 from ..compressors.exdyna import ExDyna
 from ..session import collective
-from .accumulator import at_agreed
+from .accumulator import ascending, at_agreed
 from .base import HISTORY, Communicator, Outgoing, Pending, Reduction, register_communicator, wait
 
 
@@ -164,7 +164,7 @@ class ExDynaCommunicator(Communicator):
 
         def collect():
             gathered = wait(handle).to(torch.int64)  # U: disjoint, same on every rank
-            acc = at_agreed(gathered, indices, values, residual)  # Alg. 1 line 12
+            acc = at_agreed(gathered, *ascending(indices, values), residual)  # Alg. 1 line 12
             sent, ctx = self.compression.compress(reduction.prescaled(acc.contrib))
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
             state.update(gathered=acc.agreed, sent=sent, acc=acc)

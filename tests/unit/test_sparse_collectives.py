@@ -36,7 +36,7 @@ def test_the_accumulator_at_agreed_indices_sends_or_keeps_every_element(numel, s
         acc = torch.where(chosen, acc, 0.0)
     agreed = torch.nonzero(torch.rand(numel, generator=g) < agreed_share).view(-1)
     agreed = agreed[torch.randperm(agreed.numel(), generator=g)]  # ExDyna's union comes in rank order
-    got = at_agreed(agreed, indices, acc[indices], rest)
+    got = at_agreed(agreed, *ascending(indices, acc[indices]), rest)
     assert torch.equal(got.agreed, torch.sort(agreed).values)  # one order on every rank: the all-reduce's
     assert torch.equal(got.contrib, acc[got.agreed])
     assert torch.equal(reference.accumulator_at(got.agreed, *ascending(indices, acc[indices]), rest), got.contrib)
