@@ -15,7 +15,8 @@ A label names what a user would run::
   (``safusion``, the default, is not passed); ``density`` a number or ``auto``; ``compressor`` a
   registered compressor; each ``+technique`` one of :data:`TECHNIQUES` (``+dgc`` is
   ``+mc+clip+warmup``, DGC's techniques, masking on); each ``key=value`` one more keyword argument
-  (numbers and ``true``/``false`` are converted), and a key in capitals (``HOROVOD_CYCLE_TIME=5``)
+  (numbers and ``true``/``false`` are converted; ``compression=fp16`` is Horovod's
+  ``Compression.fp16``), and a key in capitals (``HOROVOD_CYCLE_TIME=5``)
   an environment variable of the job. Anything the label does not give is the library's default,
   unless the benchmark says otherwise — :func:`print_resolved` prints what each label resolved to.
 
@@ -198,12 +199,24 @@ def horovod_optimizer(scheme: Scheme, sgd: torch.optim.Optimizer, model: torch.n
 
 
 def our_optimizer(sgd: torch.optim.Optimizer, model: torch.nn.Module, kwargs: dict):
-    """Our optimizer with ``kwargs`` (after broadcasting rank 0's weights, as with Horovod)."""
+    """Our optimizer with ``kwargs`` (after broadcasting rank 0's weights, as with Horovod);
+    ``compression="fp16"`` or ``"none"`` is Horovod's ``Compression`` of that name."""
     import horovod.torch as hvd
     import horovod_safusion as saf
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if isinstance(kwargs.get("compression"), str):
+        kwargs = kwargs | {"compression": wire_compression(kwargs["compression"])}
     return saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kwargs)
+
+
+def wire_compression(name: str):
+    """Horovod's ``Compression.<name>`` for a label's ``compression=<name>``."""
+    import horovod.torch as hvd
+
+    if name not in ("none", "fp16"):
+        raise SystemExit(f"compression={name!r}: a label accepts compression=none or compression=fp16")
+    return getattr(hvd.Compression, name)
 
 
 #: PowerSGD's ``matrix_approximation_rank`` in every benchmark: its documentation's example value,

@@ -11,11 +11,14 @@ element.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import horovod.torch as hvd
 
 from .. import kernels
+from .base import Reduction
 
 
 @dataclass(frozen=True)
@@ -24,19 +27,34 @@ class AtAgreed:
 
     Attributes:
         agreed: the agreed indices, ascending (every rank the same order: the all-reduce's).
-        contrib: the accumulator at each agreed index (selected value + residual).
-        back_indices, back_values: buffer-relative, unscaled, for ``Pending.leftover``: every
-            selected value (positive) and the contribution at U (negative); equal indices add up.
+        contrib: the accumulator at each agreed index (selected value + residual), unscaled, as
+            the wire carries it once :meth:`for_wire` has rounded it.
+        indices, values: this rank's selection (ascending), every value of which goes back.
     """
 
     agreed: torch.Tensor
     contrib: torch.Tensor
-    back_indices: torch.Tensor
-    back_values: torch.Tensor
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def for_wire(self, compression: Any, reduction: Reduction) -> tuple["AtAgreed", torch.Tensor, Any]:
+        """The contribution as Horovod's wire compression carries it (prescaled) with its context,
+        and this accumulator with ``contrib`` as the wire delivers it: what rounding to float16
+        drops is not handed back as sent, so it stays in the residual (as the allgather's
+        selection keeps it: :mod:`horovod_safusion.stages.select`)."""
+        sent, ctx = compression.compress(reduction.prescaled(self.contrib))
+        if compression is hvd.Compression.none:
+            return self, sent, ctx
+        carried = reduction.unprescaled(compression.decompress(sent, ctx).to(self.contrib.dtype))
+        return replace(self, contrib=carried), sent, ctx
 
     def leftover(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(indices, values)`` for ``Pending.leftover``, or ``None`` when nothing goes back."""
-        return (self.back_indices, self.back_values) if self.back_indices.numel() else None
+        """``(indices, values)`` for ``Pending.leftover`` (buffer-relative, unscaled; equal indices
+        add up): every selected value, and the contribution at the agreed indices negated, or
+        ``None`` when nothing goes back."""
+        if not self.indices.numel() and not self.agreed.numel():
+            return None
+        return torch.cat([self.indices, self.agreed]), torch.cat([self.values, -self.contrib])
 
 
 def ascending(indices: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -55,4 +73,4 @@ def at_agreed(agreed: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
     the ``agreed`` indices (distinct, int64, in any order)."""
     (agreed,) = ascending(agreed)
     contrib = kernels.accumulator_at(agreed, indices, values, residual)
-    return AtAgreed(agreed, contrib, torch.cat([indices, agreed]), torch.cat([values, -contrib]))
+    return AtAgreed(agreed, contrib, indices, values)

@@ -165,7 +165,7 @@ class ExDynaCommunicator(Communicator):
         def collect():
             gathered = wait(handle).to(torch.int64)  # U: disjoint, same on every rank
             acc = at_agreed(gathered, *ascending(indices, values), residual)  # Alg. 1 line 12
-            sent, ctx = self.compression.compress(reduction.prescaled(acc.contrib))
+            acc, sent, ctx = acc.for_wire(self.compression, reduction)  # rounding stays in the residual
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
             state.update(gathered=acc.agreed, sent=sent, acc=acc)
             return self.compression.decompress(reduced, ctx).to(dtype)

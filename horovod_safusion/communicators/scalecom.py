@@ -67,7 +67,7 @@ class ScaleCom(Communicator):
             agreed, _, _ = pull_decode(announced, 0, numel)  # the leader's selection: same on every rank
             acc = at_agreed(agreed, indices, values, residual)
             state["announced"] = announced.numel()
-            sent, ctx = self.compression.compress(reduction.prescaled(acc.contrib))
+            acc, sent, ctx = acc.for_wire(self.compression, reduction)  # rounding stays in the residual
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.scalecom.{tag}.val"), op=hvd.Sum,
                                                process_set=ps))
             state.update(agreed=acc.agreed, sent=sent, acc=acc)

@@ -287,7 +287,7 @@ def scenario_scaler():
 
 def scenario_fp16():
     out = {}
-    for comp, comm in pairs(("topk", "dgc"), ("allgather", "allreduce"), named=()):
+    for comp, comm in pairs(("topk", "dgc"), ("allgather", "allreduce"), named=()) + list(NAMED):
         torch.manual_seed(0)
         model = Net()
         opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),

@@ -28,6 +28,8 @@ import schemes  # noqa: E402
      {"communicator": "spardl", "dense": False, "min_selected": 0}),
     ("safusion:critical_regimes=none", {"critical_regimes": None}),
     ("safusion:critical_regimes=5", {"critical_regimes": 5}),
+    ("safusion@0.5:communicator=scalecom:compression=fp16",
+     {"density": 0.5, "communicator": "scalecom", "compression": "fp16"}),
 ])
 def test_a_label_resolves_to_the_same_arguments_everywhere(label, kwargs):
     scheme = schemes.parse(label)
@@ -47,6 +49,14 @@ def test_peers_and_environment_variables():
     assert s.peer == "horovod-fp16" and s.env == {"HOROVOD_CYCLE_TIME": "5"} and not s.torchrun
     assert schemes.parse("ddp-powersgd-1bucket").torchrun
     assert schemes.parse("safusion:dense=false:HOROVOD_CYCLE_TIME=5").kwargs() == {"dense": False}
+
+
+def test_a_labels_wire_compression_is_horovods():
+    import horovod.torch as hvd
+    assert schemes.wire_compression("fp16") is hvd.Compression.fp16
+    assert schemes.wire_compression("none") is hvd.Compression.none
+    with pytest.raises(SystemExit, match="compression='bf16': a label accepts compression=none or compression=fp16"):
+        schemes.wire_compression("bf16")
 
 
 @pytest.mark.parametrize("label, message", [

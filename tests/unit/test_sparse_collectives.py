@@ -22,11 +22,16 @@ from horovod_safusion.communicators.zen_hash import (BITMAP, COO, AffinePartitio
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 300), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.booleans())
-def test_the_accumulator_at_agreed_indices_sends_or_keeps_every_element(numel, seed, picked, agreed_share, residual):
+@given(st.integers(1, 300), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.booleans(),
+       st.sampled_from(["none", "fp16"]))
+def test_the_accumulator_at_agreed_indices_sends_or_keeps_every_element(numel, seed, picked, agreed_share, residual,
+                                                                          wire):
     """ExDyna's and ScaleCom's all-reduce half: what this rank contributes at the agreed indices
     plus what it hands back into its residual is its whole accumulator, element for element, and
-    at an agreed index it contributes its selected value plus its residual there."""
+    at an agreed index it contributes its selected value plus its residual there. With Horovod's
+    ``Compression.fp16`` the contribution is what float16 carries, and the rounding stays behind."""
+    import horovod.torch as hvd
+    from horovod_safusion.communicators.base import Reduction
     g = torch.Generator().manual_seed(seed)
     acc = torch.randn(numel, generator=g, dtype=torch.float64)
     chosen = torch.rand(numel, generator=g) < picked
@@ -40,12 +45,16 @@ def test_the_accumulator_at_agreed_indices_sends_or_keeps_every_element(numel, s
     assert torch.equal(got.agreed, torch.sort(agreed).values)  # one order on every rank: the all-reduce's
     assert torch.equal(got.contrib, acc[got.agreed])
     assert torch.equal(reference.accumulator_at(got.agreed, *ascending(indices, acc[indices]), rest), got.contrib)
+    compression = hvd.Compression.fp16 if wire == "fp16" else hvd.Compression.none
+    got, on_wire, ctx = got.for_wire(compression, Reduction(hvd.Sum))
+    assert torch.equal(compression.decompress(on_wire, ctx).to(torch.float64), got.contrib)
+    assert wire == "none" or torch.equal(got.contrib.half().double(), got.contrib)
     after = (rest.clone() if rest is not None else torch.zeros(numel, dtype=torch.float64))
     if got.leftover() is not None:
         after.index_add_(0, *got.leftover())
     sent = torch.zeros(numel, dtype=torch.float64).index_add_(0, got.agreed, got.contrib)
     assert torch.equal(after + sent, acc)  # bit for bit: each value goes in and out whole
-    assert torch.equal(after[got.agreed], torch.zeros(got.agreed.numel(), dtype=torch.float64))
+    assert torch.equal(after[got.agreed], acc[got.agreed] - got.contrib)  # zero, or the rounding error
 
 
 @pytest.mark.parametrize("P", range(1, 34))
