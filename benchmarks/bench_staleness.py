@@ -21,7 +21,9 @@ trained two ways:
   critical regimes off), classic error feedback (``momentum_correction=False``), DGC's momentum
   correction with masking (``True``), and the default with Accordion's critical regimes at the
   default's interval of 10 steps (``critical_regimes=10``, what the default does where it sends
-  sparse: an interval whose update's norm changed by half or more sends the next one dense).
+  sparse: an interval whose update's norm changed by half or more sends the next one dense),
+  masking and critical regimes together (``mc+mask+regimes``), and EF21-SGDM
+  (``error_feedback="ef21-sgdm"``, Fatkhullin et al., NeurIPS'23, Algorithm 1).
 
 The table gives the median over seeds of the final evaluation loss ("diverged" where it is not
 finite), its ratio to ``dense, delay 0``, the number of seeds that ended within 10× of it, and the
@@ -47,7 +49,9 @@ import horovod_safusion as saf
 from horovod_safusion.regime import DEFAULT_INTERVAL
 
 VARIANTS = {"default": {}, "classic": {"momentum_correction": False}, "mc+mask": {"momentum_correction": True},
-            "regimes": {"critical_regimes": DEFAULT_INTERVAL}}
+            "regimes": {"critical_regimes": DEFAULT_INTERVAL},
+            "mc+mask+regimes": {"momentum_correction": True, "critical_regimes": DEFAULT_INTERVAL},
+            "ef21": {"error_feedback": "ef21-sgdm", "momentum_correction": False}}
 
 
 def mlp() -> nn.Module:
