@@ -8,5 +8,6 @@ from .scalecom import ScaleCom
 from .spardl import SparDL
 from .zen import Zen
 
-__all__ = ["Allgather", "Allreduce", "Communicator", "ExDynaCommunicator", "Outgoing", "Pending", "Reduction", "ScaleCom",
-           "SparDL", "Target", "Zen", "available_communicators", "make_communicators", "register_communicator"]
+__all__ = ["Allgather", "Allreduce", "Communicator", "ExDynaCommunicator", "Outgoing", "Pending", "Reduction",
+           "ScaleCom", "SparDL", "Target", "Zen", "available_communicators", "make_communicators",
+           "register_communicator"]

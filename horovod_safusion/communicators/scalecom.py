@@ -22,9 +22,10 @@ What it buys: each rank receives the leader's index set and a ring all-reduce's
 allgather's ``(P − 1)·k`` rows do. What it costs: two collectives in sequence per buffer, and a
 step applies k elements of the sum where the allgather applies the union of the ranks'
 selections, up to ``P·k``; the others' large elements wait in their residuals until their rank
-leads (the paper relies on the workers' accumulators being alike, which small batches weaken). The paper's low-pass filter on the error feedback is not
-built: the residual is the plugin's, as for every communicator. Asked for by name
-(``communicator="scalecom"``); ``"auto"`` does not hold it, because it applies another update.
+leads (the paper relies on the workers' accumulators being alike, which small batches weaken).
+The paper's low-pass filter on the error feedback is not built: the residual is the plugin's, as
+for every communicator. Asked for by name (``communicator="scalecom"``); ``"auto"`` does not hold
+it, because it applies another update.
 """
 from __future__ import annotations
 
