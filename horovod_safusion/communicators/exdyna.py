@@ -167,7 +167,7 @@ class ExDynaCommunicator(Communicator):
             acc = at_agreed(gathered, *ascending(indices, values), residual)  # Alg. 1 line 12
             acc, sent, ctx = acc.for_wire(self.compression, reduction)  # rounding stays in the residual
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.exdyna.{tag}.val"), op=hvd.Sum, process_set=ps))
-            state.update(gathered=acc.agreed, sent=sent, acc=acc)
+            state.update(gathered=acc.agreed, sent=sent, leftover=acc.leftover())
             return self.compression.decompress(reduced, ctx).to(dtype)
 
         def decode(reduced):
@@ -185,7 +185,7 @@ class ExDynaCommunicator(Communicator):
             # all-gather: the other workers' indices; all-reduce: a ring's 2(n-1)/n of the values
             pending.bytes_received = (gathered.numel() - exclusive.numel()) * 4 + \
                 int(2 * (n - 1) / n * state["sent"].numel() * state["sent"].element_size())
-            pending.leftover = state["acc"].leftover()  # raw values and residuals: not prescaled
+            pending.leftover = state["leftover"]  # raw values and residuals: not prescaled
 
         pending = Pending(collect, decode, exclusive.numel() * 4)
         return pending

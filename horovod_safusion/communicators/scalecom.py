@@ -71,7 +71,7 @@ class ScaleCom(Communicator):
             acc, sent, ctx = acc.for_wire(self.compression, reduction)  # rounding stays in the residual
             reduced = wait(hvd.allreduce_async(sent, name=collective(f"saf.scalecom.{tag}.val"), op=hvd.Sum,
                                                process_set=ps))
-            state.update(agreed=acc.agreed, sent=sent, acc=acc)
+            state.update(agreed=acc.agreed, sent=sent, leftover=acc.leftover())
             return self.compression.decompress(reduced, ctx).to(out.dtype)
 
         def decode(reduced):
@@ -82,7 +82,7 @@ class ScaleCom(Communicator):
             # the leader's index set (the leader receives none), and a ring's 2(n-1)/n of the values
             pending.bytes_received = (0 if leads else state["announced"]) + \
                 int(2 * (n - 1) / n * sent.numel() * sent.element_size())
-            pending.leftover = state["acc"].leftover()
+            pending.leftover = state["leftover"]
 
         pending = Pending(collect, decode, mine.numel())
         return pending
