@@ -80,7 +80,8 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
         if correction or options.ef21 else None,
         clipping=None if options.local_clipping is None else LocalClipping(options.local_clipping,
                                                                            opt.process_set.size()),
-        warmup=warmup if warmup.steps else None, min_selected=options.min_selected, densities=densities,
+        warmup=warmup if warmup.steps else None, min_selected=options.min_selected,
+        dense_share=options.dense_share, densities=densities,
         regimes=critical_regimes(options.critical_regimes, planner, comp))
     return Parts(planner, comp, comms, profiler, controller, correction)
 

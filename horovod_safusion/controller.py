@@ -97,6 +97,8 @@ class Controller:
             the target.
         min_selected: tensors that would send fewer elements per step than this go dense in a
             shared buffer (:func:`~horovod_safusion.plan.send_small_dense`); 0 sparsifies all.
+        dense_share: so do the smallest tensors that together hold at most this share of the
+            model's elements (where ``min_selected`` is above 0).
         regimes: Accordion's critical regimes: the steps of a critical interval are sent dense.
     """
 
@@ -105,7 +107,7 @@ class Controller:
                  prescale: float = 1.0, postscale: float = 1.0, sparse_as_dense: bool = False,
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
-                 warmup: DensityWarmup | None = None, min_selected: int = 0,
+                 warmup: DensityWarmup | None = None, min_selected: int = 0, dense_share: float = 0.0,
                  densities: Sequence[float] = (), regimes: CriticalRegimes | None = None) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
@@ -114,7 +116,7 @@ class Controller:
         self.reduction = Reduction(op, prescale, postscale)
         self.residuals = ResidualStore()
         self.momentum, self.clipping, self.warmup, self.regimes = momentum, clipping, warmup, regimes
-        self.min_selected = min_selected
+        self.min_selected, self.dense_share = min_selected, dense_share
         self.densities = tuple(densities)  # the candidates of density="auto", else none
         self.loss_scale = LossScale(loss_scale)
         self.filler = Filler(self.residuals, momentum, clipping, sparse_as_dense)
@@ -133,7 +135,7 @@ class Controller:
     # ---- plan ----------------------------------------------------------------------------
     def set_plan(self, plan: FusionPlan) -> None:
         """Switch to ``plan`` between steps, its small tensors sent dense (:attr:`min_selected`,
-        :func:`~horovod_safusion.plan.send_small_dense`): the residuals (and momenta) move into the
+        :attr:`dense_share`, :func:`~horovod_safusion.plan.send_small_dense`): the residuals (and momenta) move into the
         new buffers (:func:`~horovod_safusion.buffer.gather`), and each buffer's selection path is
         chosen."""
         if self._step_open:
@@ -144,7 +146,7 @@ class Controller:
         self._aim(plan.density)
         if not self.compressor.dense:
             group = {n: (p.dtype, p.device) for n, p in self.params.items()}
-            plan = send_small_dense(plan, numel, group, self.target_density, self.min_selected)
+            plan = send_small_dense(plan, numel, group, self.target_density, self.min_selected, self.dense_share)
         self.plan = plan
         self.buffers = [FusionBuffer(i, names, [self.params[n] for n in names], plan.order,
                                      dense=i in plan.dense_buffers)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from .density import AUTO
-from .plan import MIN_SELECTED
+from .plan import DENSE_SHARE, MIN_SELECTED
 
 #: The values of ``error_feedback=``.
 ERROR_FEEDBACK = ("classic", "ef21-sgdm")
@@ -120,10 +120,16 @@ class Options:
     min_selected: int = _option(MIN_SELECTED, """
         a tensor that would send fewer than this many elements per step (``ceil(density · numel)``:
         biases, norms, small heads) is sent whole, in one dense buffer shared by all such tensors,
-        with Horovod's allreduce (default 64; ``0`` sparsifies every tensor, as the papers do).
-        Error feedback on a tensor that sends one or a few elements per step holds its gradient
-        back for many steps and releases it in bursts that momentum amplifies; see the user
-        guide.""")
+        with Horovod's allreduce (default 64; ``0`` sparsifies every tensor, as the papers do,
+        ``dense_share``'s included). Error feedback on a tensor that sends one or a few elements
+        per step holds its gradient back for many steps and releases it in bursts that momentum
+        amplifies; see the user guide.""")
+    dense_share: float = _option(DENSE_SHARE, """
+        the smallest tensors that together hold at most this share of the model's elements are sent
+        whole too, in the same dense buffer (default 0.15; ``0`` turns it off). They cost little
+        sent whole, and error feedback's delay costs a tensor whose gradient is spread over all its
+        elements (a recurrent layer's weights) more than an embedding or a vocabulary decoder,
+        whose gradient gathers in the batch's rows; see the user guide.""")
     error_feedback: str = _option("classic", """
         what waits for a later step when a step sends only a selection. ``"classic"`` (the default;
         Seide et al.'s error feedback): the unsent gradient, in a residual added to the next step's
@@ -149,6 +155,10 @@ class Options:
         ms = self.min_selected
         if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0:
             raise ValueError(f"min_selected must be an integer >= 0 (0 sparsifies every tensor), got {ms!r}")
+        share = self.dense_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise ValueError(f"dense_share must be a number with 0 <= dense_share < 1 (0 turns it off), "
+                             f"got {share!r}")
 
     @property
     def ef21(self) -> bool:

@@ -28,6 +28,9 @@ MAX_BUFFER_ELEMENTS = 2**31 - 1  # buffer-relative indices travel as int32
 #: The default floor of :func:`send_small_dense`: a tensor that would send fewer elements per step is
 #: sent whole (``DistributedOptimizer(min_selected=...)``).
 MIN_SELECTED = 64
+#: The default share of :func:`send_small_dense`: the smallest tensors that together hold at most
+#: this share of the model's elements are sent whole (``DistributedOptimizer(dense_share=...)``).
+DENSE_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -202,27 +205,45 @@ def check_plan_across_ranks(plan: FusionPlan, process_set=None) -> None:
 
 
 def send_small_dense(plan: FusionPlan, numel: dict[str, int], group: dict[str, object], density: float,
-                     min_selected: int) -> FusionPlan:
+                     min_selected: int, share: float = 0.0) -> FusionPlan:
     """``plan`` with its small tensors moved into dense buffers (one per group: dtype and device),
-    after the sparse ones: a tensor whose share of a step, ``ceil(density · numel)`` elements, is
-    below ``min_selected`` is sent whole with Horovod's allreduce at every step.
+    after the sparse ones. Small is either of:
 
-    Why: with error feedback, a tensor that sends a handful of elements per step (a bias, a norm's
-    scale, a small head: k = 1 at density 0.01 for up to 100 elements) holds most of its gradient
-    back for many steps and then delivers it at once, and SGD's momentum multiplies that burst;
-    such tensors made a small network diverge where dense SGD converged, and an error-feedback
-    top-k written from scratch diverged alike (a property of the method). They cost nothing worth
-    saving on the wire: below ``min_selected / density`` elements each. PowerSGD (Vogels et al.,
-    NeurIPS'19, §4 and its PyTorch hook) likewise sends 1-D tensors and matrices that compression
-    would not shrink enough uncompressed, in one batch, as do BytePS, CGX and Espresso.
+    * **few elements a step**: ``ceil(density · numel)`` below ``min_selected``;
+    * **a small share of the model**: the smallest tensors (ties by name) whose elements together
+      are at most ``share`` of the model's (:func:`smallest_within`).
+
+    Such a tensor is sent whole with Horovod's allreduce at every step.
+
+    Why few elements: with error feedback, a tensor that sends a handful of elements per step (a
+    bias, a norm's scale, a small head: k = 1 at density 0.01 for up to 100 elements) holds most of
+    its gradient back for many steps and then delivers it at once, and SGD's momentum multiplies
+    that burst; such tensors made a small network diverge where dense SGD converged, and an
+    error-feedback top-k written from scratch diverged alike (a property of the method). They cost
+    nothing worth saving on the wire: below ``min_selected / density`` elements each. PowerSGD
+    (Vogels et al., NeurIPS'19, §4 and its PyTorch hook) likewise sends 1-D tensors and matrices
+    that compression would not shrink enough uncompressed, in one batch, as do BytePS, CGX and
+    Espresso.
+
+    Why a share: error feedback holds what a step does not send for about ``1/density`` steps, and
+    that delay costs a tensor whose gradient is spread over all its elements more than one whose
+    gradient gathers in a few rows: a language model's embedding and vocabulary decoder keep
+    nearly all their gradient's energy in the top few percent (the batch's words), its recurrent
+    weights far less. Sent whole, the recurrent weights of the benchmarks' LSTM, an eighth of its
+    elements, took its perplexity at 8 workers to dense's, where selected with the rest it ended
+    above; the share, not a kind of layer, picks them, because the small tensors of any model cost
+    little sent whole (docs/benchmarks.md, "Small tensors sent whole: the LSTM's recurrent weights",
+    has the runs and why the share is what it is).
 
     Names already in a dense buffer stay there (so the rule can be applied again to its own
     result, or to a plan that names its dense buffers itself); a plan sent dense as a whole, or
-    ``min_selected <= 0``, is returned as it is. Every rank computes the same plan."""
+    ``min_selected <= 0`` (every tensor sparsified, the share too), is returned as it is. Every
+    rank computes the same plan."""
     if plan.dense or min_selected <= 0:
         return plan
     kept_dense = {n for i in plan.dense_buffers for n in plan.buffers[i]}
     small = {n for n in plan.names if n not in kept_dense and math.ceil(density * numel[n]) < min_selected}
+    small |= smallest_within(plan.names, numel, share) - kept_dense
     if not small:
         return plan
     dense = small | kept_dense
@@ -235,6 +256,20 @@ def send_small_dense(plan: FusionPlan, numel: dict[str, int], group: dict[str, o
     buffers = sparse + list(by_group.values())
     return replace(plan, buffers=tuple(tuple(b) for b in buffers),
                    dense_buffers=tuple(range(len(sparse), len(buffers))))
+
+
+def smallest_within(names: Sequence[str], numel: dict[str, int], share: float) -> set[str]:
+    """The smallest of ``names`` (ties by name, so that neither the plan's layout nor a rank's
+    order of parameters changes the choice) whose elements together are at most ``share`` of all
+    of theirs: the longest such run from the smallest up."""
+    total, running = sum(numel[n] for n in names), 0
+    chosen: set[str] = set()
+    for n in sorted(names, key=lambda n: (numel[n], n)):
+        running += numel[n]
+        if running > share * total:
+            break
+        chosen.add(n)
+    return chosen
 
 
 def split_by_capacity(names: Sequence[str], nbytes: dict[str, int], capacity: int) -> list[list[str]]:

@@ -1,5 +1,6 @@
 """The drop-in contract, in a one-worker Horovod job: arguments, errors and warnings as Horovod's."""
 import inspect
+import re
 import warnings
 
 import pytest
@@ -92,6 +93,10 @@ def test_num_groups_is_deprecated_like_horovod_and_becomes_the_plan(hvd):
     assert opt.plan.dense_buffers == (0,) and len(opt.plan.buffers) == 1
     with pytest.raises(ValueError, match="min_selected must be an integer >= 0 .*got -1"):
         saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), min_selected=-1)
+    for bad in (-0.1, 1, 1.5, "0.1", True):
+        with pytest.raises(ValueError, match=r"dense_share must be a number with 0 <= dense_share < 1 .*got "
+                                             + re.escape(repr(bad))):
+            saf.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), dense_share=bad)
 
 
 def test_step_zero_grad_and_backward_passes_contract(hvd):

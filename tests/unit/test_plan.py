@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from horovod_safusion.fusion import GroupsPlanner, NaivePlanner, TensorInfo, make_planner
-from horovod_safusion.plan import FusionPlan, send_small_dense, split_by_capacity
+from horovod_safusion.plan import FusionPlan, send_small_dense, smallest_within, split_by_capacity
 
 
 def test_json_round_trip_and_digest():
@@ -80,18 +80,22 @@ def test_groups_planner_matches_horovod_groups():
 
 
 @given(st.lists(st.tuples(st.integers(1, 20_000), st.integers(0, 1)), min_size=1, max_size=40),
-       st.integers(1, 8), st.sampled_from([0.001, 0.01, 0.1, 0.5]), st.integers(0, 200))
-def test_send_small_dense_moves_exactly_the_small_tensors(tensors, per_buffer, density, min_selected):
-    """Every tensor with ceil(density * numel) < min_selected ends in a dense buffer of its group
-    (dtype and device), in plan order; the others keep their buffers and order; applying the rule
-    again changes nothing."""
+       st.integers(1, 8), st.sampled_from([0.001, 0.01, 0.1, 0.5]), st.integers(0, 200),
+       st.sampled_from([0.0, 0.05, 0.15, 0.5, 0.99]))
+def test_send_small_dense_moves_exactly_the_small_tensors(tensors, per_buffer, density, min_selected, share):
+    """Every tensor with ceil(density * numel) < min_selected, and every one of the smallest that
+    together hold at most ``share`` of the elements, ends in a dense buffer of its group (dtype and
+    device), in plan order; the others keep their buffers and order; applying the rule again
+    changes nothing; min_selected=0 sparsifies every tensor."""
     names = [f"t{i}" for i in range(len(tensors))]
     numel = {n: size for n, (size, _) in zip(names, tensors)}
     group = {n: g for n, (_, g) in zip(names, tensors)}
     plan = FusionPlan([names[i:i + per_buffer] for i in range(0, len(names), per_buffer)], planner="p")
-    out = send_small_dense(plan, numel, group, density, min_selected)
+    out = send_small_dense(plan, numel, group, density, min_selected, share)
     out.validate(names)
-    small = [n for n in names if min_selected > 0 and -(-density * numel[n] // 1) < min_selected]
+    by_size = sorted(names, key=lambda n: (numel[n], n))
+    within = {n for i, n in enumerate(by_size) if sum(numel[m] for m in by_size[:i + 1]) <= share * sum(numel.values())}
+    small = [n for n in names if min_selected > 0 and (-(-density * numel[n] // 1) < min_selected or n in within)]
     dense = [n for i in out.dense_buffers for n in out.buffers[i]]
     assert sorted(dense) == sorted(small)
     for i in out.dense_buffers:
@@ -99,5 +103,40 @@ def test_send_small_dense_moves_exactly_the_small_tensors(tensors, per_buffer, d
         assert list(out.buffers[i]) == [n for n in names if n in out.buffers[i]]
     sparse = [[n for n in b if n not in small] for b in plan.buffers]
     assert [list(b) for i, b in enumerate(out.buffers) if i not in out.dense_buffers] == [b for b in sparse if b]
-    assert send_small_dense(out, numel, group, density, min_selected) == out
-    assert send_small_dense(FusionPlan(plan.buffers, dense=True), numel, group, density, min_selected).dense_buffers == ()
+    assert send_small_dense(out, numel, group, density, min_selected, share) == out
+    assert send_small_dense(FusionPlan(plan.buffers, dense=True), numel, group, density, min_selected,
+                            share).dense_buffers == ()
+
+
+@given(st.dictionaries(st.text("abc", min_size=1, max_size=3), st.integers(1, 1000), min_size=1, max_size=12),
+       st.floats(0, 1))
+def test_smallest_within_is_the_longest_run_of_the_smallest_under_the_share(numel, share):
+    """The chosen tensors are the first ones in (size, name) order, hold at most ``share`` of the
+    elements, and the next one would take them past it."""
+    order = sorted(numel, key=lambda n: (numel[n], n))
+    chosen = smallest_within(list(reversed(order)), numel, share)
+    run = order[:len(chosen)]
+    assert set(run) == chosen
+    total = sum(numel.values())
+    assert sum(numel[n] for n in run) <= share * total
+    if len(run) < len(order):
+        assert sum(numel[n] for n in order[:len(run) + 1]) > share * total
+
+
+def test_the_share_sends_an_lstms_recurrent_weights_whole_and_no_large_cnn_layer():
+    """With the default share, the benchmarks' LSTM sends its recurrent weights whole and keeps
+    its embedding and decoder sparse; the digits CNN keeps every layer above the count rule
+    sparse, as without the share."""
+    from horovod_safusion.plan import DENSE_SHARE, MIN_SELECTED
+    lstm = {"encoder.weight": 512_000, "lstm.weight_ih_l0": 65_536, "lstm.weight_hh_l0": 65_536,
+            "lstm.bias_ih_l0": 512, "lstm.bias_hh_l0": 512, "decoder.weight": 512_000, "decoder.bias": 4000}
+    cnn = {"features.0.weight": 576, "features.3.weight": 36_864, "features.7.weight": 73_728,
+           "head.1.weight": 32_768, "head.3.weight": 640, **{f"bias{i}": 64 for i in range(9)}}
+    for numel, expect in ((lstm, {"lstm.weight_ih_l0", "lstm.weight_hh_l0", "lstm.bias_ih_l0", "lstm.bias_hh_l0",
+                                  "decoder.bias"}),
+                          (cnn, {"features.0.weight", "head.3.weight", *(f"bias{i}" for i in range(9))})):
+        plan = FusionPlan([list(numel)], planner="p")
+        out = send_small_dense(plan, numel, {n: 0 for n in numel}, 0.03, MIN_SELECTED, DENSE_SHARE)
+        assert {n for i in out.dense_buffers for n in out.buffers[i]} == expect
+        without = send_small_dense(plan, numel, {n: 0 for n in numel}, 0.03, MIN_SELECTED, 0.0)
+        assert (out == without) == (numel is cnn)
