@@ -135,9 +135,9 @@ class Controller:
     # ---- plan ----------------------------------------------------------------------------
     def set_plan(self, plan: FusionPlan) -> None:
         """Switch to ``plan`` between steps, its small tensors sent dense (:attr:`min_selected`,
-        :attr:`dense_share`, :func:`~horovod_safusion.plan.send_small_dense`): the residuals (and momenta) move into the
-        new buffers (:func:`~horovod_safusion.buffer.gather`), and each buffer's selection path is
-        chosen."""
+        :attr:`dense_share`, :func:`~horovod_safusion.plan.send_small_dense`): the residuals (and
+        momenta) move into the new buffers (:func:`~horovod_safusion.buffer.gather`), and each
+        buffer's selection path is chosen."""
         if self._step_open:
             raise RuntimeError("the fusion plan can only change between steps (after synchronize())")
         numel = {n: p.numel() for n, p in self.params.items()}

@@ -26,6 +26,7 @@ import schemes  # noqa: E402
     ("safusion@0.01+ef21", {"density": 0.01, "error_feedback": "ef21-sgdm"}),
     ("safusion:communicator=spardl:dense=false:min_selected=0",
      {"communicator": "spardl", "dense": False, "min_selected": 0}),
+    ("safusion:dense_share=0", {"dense_share": 0.0}),
     ("safusion:critical_regimes=none", {"critical_regimes": None}),
     ("safusion:critical_regimes=5", {"critical_regimes": 5}),
     ("safusion@0.5:communicator=scalecom:compression=fp16",
