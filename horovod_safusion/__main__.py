@@ -1,8 +1,9 @@
 """Command line: ``python -m horovod_safusion {list,plan,timeline,doctor} ...``.
 
 * ``list`` — the registered compressors, fusion planners and communicators.
-* ``plan`` — the fusion plan of every planner side by side, with the pipeline simulator's
-  predicted iteration time, for a saved profile (``--profile FILE``) or for a model profiled on the
+* ``plan`` — the fusion plan of every planner side by side, as the job would run it (its small
+  tensors whole, :func:`~horovod_safusion.plan.send_small_dense`, by the rule the profile
+  carries), with the pipeline simulator's predicted iteration time, for a saved profile (``--profile FILE``) or for a model profiled on the
   spot in one process (``--model package.module:callable --input-shape C,H,W``). One process has no
   network, so ``--latency`` and ``--bandwidth`` replace the communication curve by an α–β model
   for what-if planning.
@@ -69,6 +70,7 @@ def profile_model(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     from .fusion import (CostCurve, CupcakePlanner, InterPlanner, NaivePlanner, OMGSPlanner, Profile,
                             SAFusionPlanner, simulate)
+    from .plan import send_small_dense
     if (args.profile is None) == (args.model is None):
         raise SystemExit("give exactly one of --profile FILE or --model package.module:callable")
     profile = Profile.load(args.profile) if args.profile else profile_model(args)
@@ -82,7 +84,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planners = {"safusion-naive": NaivePlanner(args.capacity_bytes), "safusion-inter": InterPlanner(args.num_buffers),
                 "safusion": SAFusionPlanner(), "cupcake": CupcakePlanner(max_states=args.cupcake_max_states),
                 "omgs": OMGSPlanner()}
-    plans = {name: p.plan(profile.tensors, profile) for name, p in planners.items()}
+    # as the job would run them: its small tensors whole (the profile carries its rule)
+    numel = {t.name: t.numel for t in profile.tensors}
+    group = {t.name: t.group for t in profile.tensors}
+    plans = {name: send_small_dense(p.plan(profile.tensors, profile), numel, group, profile.density,
+                                    profile.min_selected, profile.dense_share) for name, p in planners.items()}
     schedules = {name: simulate(profile, plan) for name, plan in plans.items()}
     total = sum(t.numel for t in profile.tensors)
     print(f"{len(profile.tensors)} gradient tensors, {total:,} elements, density {profile.density:g}, "

@@ -242,8 +242,7 @@ def send_small_dense(plan: FusionPlan, numel: dict[str, int], group: dict[str, o
     if plan.dense or min_selected <= 0:
         return plan
     kept_dense = {n for i in plan.dense_buffers for n in plan.buffers[i]}
-    small = {n for n in plan.names if n not in kept_dense and math.ceil(density * numel[n]) < min_selected}
-    small |= smallest_within(plan.names, numel, share) - kept_dense
+    small = small_tensors(plan.names, numel, density, min_selected, share) - kept_dense
     if not small:
         return plan
     dense = small | kept_dense
@@ -256,6 +255,18 @@ def send_small_dense(plan: FusionPlan, numel: dict[str, int], group: dict[str, o
     buffers = sparse + list(by_group.values())
     return replace(plan, buffers=tuple(tuple(b) for b in buffers),
                    dense_buffers=tuple(range(len(sparse), len(buffers))))
+
+
+def small_tensors(names: Sequence[str], numel: dict[str, int], density: float, min_selected: int,
+                  share: float = 0.0) -> set[str]:
+    """The tensors of ``names`` that :func:`send_small_dense` sends whole at ``density``: those
+    that would select fewer than ``min_selected`` elements a step, and the smallest within
+    ``share`` of the elements (:func:`smallest_within`); none where ``min_selected <= 0``. The
+    planner prices them as sent (:meth:`~horovod_safusion.fusion.Profile.small`)."""
+    if min_selected <= 0:
+        return set()
+    few = {n for n in names if math.ceil(density * numel[n]) < min_selected}
+    return few | smallest_within(names, numel, share)
 
 
 def smallest_within(names: Sequence[str], numel: dict[str, int], share: float) -> set[str]:

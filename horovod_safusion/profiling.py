@@ -53,7 +53,7 @@ from .controller import Controller
 from .fusion import CostCurve, Planner, Profile
 from .compressors import loading
 from .observer import DECOMPRESS, GRADIENT_READY, MEMCPY_OUT, SUBMIT, SYNCHRONIZE, Observer
-from .plan import FusionPlan, TensorInfo
+from .plan import FusionPlan, TensorInfo, small_tensors
 from .regime import CriticalRegimes
 from .session import collective
 
@@ -299,10 +299,18 @@ class OnlineProfiler:
         swept, pruned = ({}, {}) if only_dense else sweeps.communicator_sweeps(
             choices, tensors, max((controller.target_density, *candidates)), dtype, device, comm.name,
             process_set, timed)
+        # the tensors the job sends whole at any density it may select at, which the planner prices
+        # as sent: by the dense allreduce, swept up to their bytes where dense plans are not priced
+        min_selected = 0 if comp.dense else controller.min_selected
+        numel = {t.name: t.numel for t in tensors}
+        whole = set().union(*(small_tensors(names, numel, d, min_selected, controller.dense_share)
+                              for d in (controller.target_density, *candidates))) \
+            if linked and self.planner.prices_whole and not only_dense else set()
+        dense_swept = tensors if priced else [t for t in tensors if t.name in whole]
         # the largest size's float32 time is the wire's, where that was timed (the same compression)
-        known = self._wire[1] if self._wire is not None else None
+        known = self._wire[1] if self._wire is not None and priced else None
         dense_bytes, dense_secs = timed("dense_allreduce", lambda: sweeps.dense_allreduce_sweep(
-            comm.compression, tensors, dtype, device, process_set, largest_s=known)) if priced else ([], [])
+            comm.compression, dense_swept, dtype, device, process_set, largest_s=known)) if dense_swept else ([], [])
         if self._wire is not None and self.profile is None:  # (a first profile: what it cost)
             took["wires"] = self._wire[3]
         self.local = {"ready": dict(zip(names, ready)), "prefix": prefix, "suffix": suffix}
@@ -320,7 +328,7 @@ class OnlineProfiler:
                                   "dense_allreduce": dense_secs},
                                  hvd.Min, "saf.profile.min", process_set)
         curves = {name: CostCurve(nbytes, fastest[f"communicate:{name}"]) for name, (nbytes, _) in swept.items()}
-        dense_curve = CostCurve(dense_bytes, fastest["dense_allreduce"]) if priced else None
+        dense_curve = CostCurve(dense_bytes, fastest["dense_allreduce"]) if dense_swept else None
         ready, cp_secs = slowest["ready"], slowest["compress"]
         prefix, suffix, per_segment = slowest["prefix"][0], slowest["suffix"][0], slowest["segment_cost"][0]
         buffer_cost = slowest["buffer_cost"][0]
@@ -336,6 +344,7 @@ class OnlineProfiler:
             workers=process_set.size(),
             dense_allreduce=dense_curve,
             communicators=curves if chooses else {}, densities=densities,
+            min_selected=min_selected, dense_share=controller.dense_share,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps,
                   "sweeps_s": {k: round(v, 4) for k, v in zip(took, slowest["sweeps_s"])},

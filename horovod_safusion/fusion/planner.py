@@ -36,6 +36,9 @@ class Planner(ABC):
     #: Whether the planner chooses the density (:attr:`FusionPlan.density`) from a profile that
     #: prices several (:attr:`Profile.densities`, ``density="auto"``).
     chooses_density: ClassVar[bool] = False
+    #: Whether the planner sizes its buffers without the tensors the job sends whole and prices
+    #: those as sent (:meth:`Profile.small`), for which the online profile times the dense allreduce.
+    prices_whole: ClassVar[bool] = False
     #: ``"auto"`` (plan dense where the profile prices it faster), ``True`` or ``False``.
     dense_choice: "bool | str" = False
     #: A saved profile to plan from at once, instead of profiling the job online first.

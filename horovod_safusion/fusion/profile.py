@@ -12,6 +12,9 @@ compression time by online profiling." A :class:`Profile` holds, for one job,
   buffer of many small tensors does not pay a fixed cost per tensor — and the communication cost
   curve (one collective of the active communicator, seconds against message bytes),
 * the density and wire format needed to predict message sizes,
+* the job's small-tensor rule (:func:`~horovod_safusion.plan.send_small_dense`): the tensors it
+  sends whole with Horovod's allreduce at every step, which a plan prices as sent — by the dense
+  allreduce's curve, with no compression — and sizes its sparse buffers without,
 * the fixed work of one buffer on the training thread beyond its compression (ours, not in the
   paper): starting its collective and decoding what comes back. A plan of more buffers pays it
   more often; without it the simulator prices a plan of many buffers too cheap.
@@ -24,9 +27,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Collection, Sequence
 
-from ..plan import TensorInfo
+from ..plan import TensorInfo, small_tensors
 from .costs import CostCurve
 
 
@@ -58,6 +61,9 @@ class Profile:
         densities: per candidate density (``density="auto"``), the compression curve and the
             per-segment cost swept at that density, as :attr:`compress` and
             :attr:`segment_cost` are at :attr:`density`; empty where the density is given.
+        min_selected: the job's ``min_selected`` (0: every tensor sparsified), with
+            :attr:`dense_share` the rule of :meth:`small`.
+        dense_share: the job's ``dense_share``.
         meta: free-form provenance (compressor, communicator, iterations, observed waits).
     """
 
@@ -76,6 +82,8 @@ class Profile:
     dense_allreduce: CostCurve | None = None
     communicators: dict[str, CostCurve] = field(default_factory=dict)
     densities: dict[float, tuple[CostCurve, float]] = field(default_factory=dict)
+    min_selected: int = 0
+    dense_share: float = 0.0
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -122,6 +130,28 @@ class Profile:
         extra = 0 if order == "behind" else len(names) - 1
         return self.buffer_cost + (self.compress(self.dense_bytes(names)) + self.segment_cost * extra)
 
+    def t_whole(self, names: Sequence[str], order: str = "ahead") -> float:
+        """T_cm of a buffer sent whole with Horovod's allreduce (a plan's dense buffer of small
+        tensors): the dense allreduce's curve at its dense bytes; where the profile has no dense
+        curve, the buffer is priced as a sparse one (:meth:`t_cm`)."""
+        if self.dense_allreduce is None:
+            return self.t_cm(names, order)
+        return self.dense_allreduce(float(self.dense_bytes(names)))
+
+    def small(self) -> frozenset[str]:
+        """The tensors the job sends whole at :attr:`density` (:attr:`min_selected`,
+        :attr:`dense_share`; :func:`~horovod_safusion.plan.small_tensors`): a planner sizes its
+        sparse buffers over the others and prices these as sent (:meth:`t_whole`)."""
+        if self.density >= 1.0:
+            return frozenset()
+        numel = {t.name: t.numel for t in self.tensors}
+        return frozenset(small_tensors(self.names, numel, self.density, self.min_selected, self.dense_share))
+
+    def without(self, names: Collection[str]) -> "Profile":
+        """The same job with the tensors ``names`` left out (those sent whole)."""
+        keep = [i for i, t in enumerate(self.tensors) if t.name not in names]
+        return replace(self, tensors=[self.tensors[i] for i in keep], ready=[self.ready[i] for i in keep])
+
     def t_b(self, names: Sequence[str], previous_last: str | None) -> float:
         """T_b: back-propagation time producing this buffer's gradients, after the previous buffer."""
         start = 0.0 if previous_last is None else self.ready_of(previous_last)
@@ -163,7 +193,7 @@ class Profile:
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
                 "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
                 "densities": [[d, c.to_dict(), seg] for d, (c, seg) in self.densities.items()],
-                "meta": self.meta}
+                "min_selected": self.min_selected, "dense_share": self.dense_share, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -176,6 +206,7 @@ class Profile:
                    dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
                    communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
                    densities={float(x): (CostCurve.from_dict(c), float(seg)) for x, c, seg in d.get("densities", [])},
+                   min_selected=int(d.get("min_selected", 0)), dense_share=float(d.get("dense_share", 0.0)),
                    meta=d.get("meta", {}))
 
     def save(self, path: str) -> None:

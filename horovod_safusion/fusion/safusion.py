@@ -24,6 +24,11 @@ aligned plans with M ∈ {1, 2, 4, 8, 16} (§3.2) under the same profile and kee
 pipeline simulator predicts fastest; ``plan.meta`` records every candidate's prediction.
 ``guard=False`` returns Steps 1–2's plan unchanged, as the paper specifies it.
 
+**Small tensors** (ours): the tensors the job sends whole on every step (:meth:`Profile.small`:
+its ``min_selected`` and ``dense_share``, :func:`~horovod_safusion.plan.send_small_dense`) are left
+out of Steps 1–3 and the guard, which size the buffers that select, and follow in dense buffers
+that the simulator prices by the dense allreduce's curve, so every prediction below holds them.
+
 **Dense choice** (ours, ``dense="auto"`` by default): where the profile also prices Horovod's
 dense allreduce (:attr:`Profile.dense_allreduce`), the same steps and guard plan the job as if
 every element were sent (:meth:`Profile.as_dense`: no compression, the dense curve), and the
@@ -62,7 +67,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..density import densest_within, density_of
-from ..plan import FusionPlan, TensorInfo, split_at_group_changes
+from ..plan import FusionPlan, TensorInfo, send_small_dense, split_at_group_changes
 from .planner import Planner, register_planner
 from .safusion_inter import InterPlanner
 from .profile import Profile
@@ -101,6 +106,7 @@ class SAFusionPlanner(Planner):
     chooses_dense = True
     chooses_communicator = True
     chooses_density = True
+    prices_whole = True
 
     def __init__(self, profile: Profile | None = None, long_tail: bool = True, guard: bool = True,
                  dense: "bool | str" = "auto") -> None:
@@ -119,7 +125,7 @@ class SAFusionPlanner(Planner):
             raise ValueError("dense=True plans a dense allreduce, but the profile does not price one "
                              "(Profile.dense_allreduce is None)")
         if not profile.communicators and not profile.densities and (self.dense_choice is False or not priced):
-            return self._best(profile)
+            return self._sparse(profile)
         options = self._sparse_options(profile) if self.dense_choice is not True else {}
         if priced and self.dense_choice is not False:
             dense = self._best(profile.as_dense(), dense=True)
@@ -155,10 +161,27 @@ class SAFusionPlanner(Planner):
             at = profile if density is None else profile.at(density)
             for name in at.communicators or [None]:
                 over = at if name is None else at.over(name)
-                plan = replace(self._best(over), communicator=name, density=density)
+                plan = replace(self._sparse(over), communicator=name, density=density)
                 key = "@".join(x for x in (name, None if density is None else f"{density:g}") if x) or "sparse"
                 options[key] = (plan, simulate(over, plan).iteration)
         return options
+
+    def _sparse(self, profile: Profile) -> FusionPlan:
+        """The sparse plan as the job runs it: Steps 1–2 and the guard over the tensors it
+        sparsifies, and its small tensors (:meth:`Profile.small`) in dense buffers after them, as
+        :func:`~horovod_safusion.plan.send_small_dense` places them (the controller applies that
+        rule to every plan, and finds nothing left to move in this one). So the buffers the
+        equations size are those that select, and the simulator prices the dense buffers too."""
+        small = profile.small()
+        if not small:
+            return self._best(profile)
+        rest = profile.without(small)
+        plan = self._best(rest) if rest.tensors else FusionPlan((), order=self.order, planner=self.name)
+        whole = tuple(n for n in profile.names if n in small)
+        numel = {t.name: t.numel for t in profile.tensors}
+        group = {t.name: t.group for t in profile.tensors}
+        return send_small_dense(replace(plan, buffers=plan.buffers + (whole,)), numel, group, profile.density,
+                                profile.min_selected, profile.dense_share)
 
     def _best(self, profile: Profile, dense: bool = False) -> FusionPlan:
         """Steps 1–2 and the guard under ``profile`` (``dense``: the plan sends every element)."""

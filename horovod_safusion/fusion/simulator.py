@@ -13,8 +13,11 @@ both the buffer is fused and the link is free. For buffer ``i`` (in launch order
     W_i          = max(0, fused_i − comm_end_{i−1})   (the link idles: Figure 9's waiting periods)
 
 The iteration takes ``prefix + comm_end_M + suffix``; the non-overlapped communication time is
-``NOCT = comm_end_M − fused_M``, what communication adds after the computation is done. Planners,
-tests and the CLI share this one model.
+``NOCT = comm_end_M − fused_M``, what communication adds after the computation is done. A plan's
+dense buffer (its small tensors, sent whole with Horovod's allreduce on every step:
+:func:`~horovod_safusion.plan.send_small_dense`) takes the same link in the same order, with no
+compression (``T_cp`` is its fixed work alone) and ``T_cm`` from the dense allreduce's curve
+(:meth:`.Profile.t_whole`). Planners, tests and the CLI share this one model.
 """
 from __future__ import annotations
 
@@ -84,19 +87,23 @@ class Schedule:
 
 def simulate(profile: Profile, plan: FusionPlan) -> Schedule:
     """Schedule ``plan`` under ``profile`` (see the module docstring for the model)."""
+    whole = {plan.buffers[i] for i in plan.dense_buffers}
     buffers = sorted(plan.buffers, key=lambda b: max(profile.ready_of(n) for n in b))
     rows, cum_cp, link_free, prev_last = [], 0.0, 0.0, None
     for i, names in enumerate(buffers):
         last = max(names, key=profile.ready_of)
         t_b = profile.t_b(names, prev_last)
-        t_cp = profile.t_cp(names, plan.order)
-        t_cm = profile.t_cm(names, plan.order)
+        if names in whole:
+            t_cp, t_cm, message = profile.buffer_cost, profile.t_whole(names, plan.order), profile.dense_bytes(names)
+        else:
+            t_cp, t_cm = profile.t_cp(names, plan.order), profile.t_cm(names, plan.order)
+            message = profile.message_bytes(names, plan.order)
         cum_cp += t_cp
         fused = profile.ready_of(last) + cum_cp
         start = max(fused, link_free)
         wait = max(0.0, fused - link_free) if i > 0 else 0.0
         link_free = start + t_cm
-        rows.append(BufferTiming(i, len(names), profile.dense_bytes(names), profile.message_bytes(names, plan.order),
+        rows.append(BufferTiming(i, len(names), profile.dense_bytes(names), float(message),
                                  t_b, t_cp, t_cm, fused, start, link_free, wait))
         prev_last = last
     return Schedule(tuple(rows), profile.prefix, profile.suffix)

@@ -12,6 +12,7 @@ import pytest
 
 from launch import first_errors, horovodrun, run as run_horovodrun
 from horovod_safusion import sweeps
+from horovod_safusion.plan import DENSE_SHARE, MIN_SELECTED
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"gloo-2": ("--gloo", 2), "mpi-2": ("--mpi", 2), "gloo-3": ("--gloo", 3)}
@@ -287,3 +288,10 @@ def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
         # nothing selected, no communicator chosen: neither is timed, nor ZEN held
         assert forced["sweeps"] == ["dense_allreduce"] and forced["priced"] == [], forced
         assert forced["held"] == ["allgather"], forced
+        # the small tensors as the plan priced them and the job runs them, sparse or dense="auto"
+        for part in (r["auto"]["whole"], r["sparse"]["whole"]):
+            assert part["rule"] == [MIN_SELECTED, DENSE_SHARE] and part["small"], part  # this CNN's biases
+            assert part["planned"] == part["small"] and part["running"] in (None, part["small"]), part
+        # forced sparse prices no dense plan: its dense allreduce is timed up to the small tensors'
+        # bytes (from 1,024 elements) to price them
+        assert r["sparse"]["swept_up_to"] == max(r["sparse"]["small_bytes"], 4 * 1024), r["sparse"]

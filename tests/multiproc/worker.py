@@ -30,6 +30,7 @@ from digits import DigitsCNN, accuracy, load_digits_split  # noqa: E402
 
 import horovod_safusion as saf  # noqa: E402
 from horovod_safusion.fusion import NaivePlanner  # noqa: E402
+from horovod_safusion.plan import FusionPlan  # noqa: E402
 from horovod_safusion.trial import SCHEDULE, TRIAL_MAX_STEPS  # noqa: E402
 
 DATA = None
@@ -109,7 +110,7 @@ def scenario_dense_choice():
         F.cross_entropy(m(x), y).backward()
         opt.step()
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
-    out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled,
+    out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled, "whole": sent_whole(opt),
                    "rng_untouched": torch.equal(user_stream, torch.get_rng_state()),
                    "priced": opt.profile.dense_allreduce is not None,
                    "communicators": sorted(opt.profile.communicators), "pruned": opt.profile.meta["pruned"],
@@ -147,11 +148,34 @@ def scenario_dense_choice():
             with o.skip_synchronize():
                 o.step()
         param_diffs.append(max_diff(ref_m.parameters(), our_m.parameters()))
+    # forced sparse: the dense allreduce timed up to the small tensors' bytes, to price them
+    sparse_m = make()
+    sparse = saf.DistributedOptimizer(torch.optim.SGD(sparse_m.parameters(), lr=0.05),
+                                      named_parameters=sparse_m.named_parameters(), profile_steps=2,
+                                      critical_regimes=None, dense=False)
+    for step in range(4):
+        x, y = batch(step)
+        sparse.zero_grad()
+        F.cross_entropy(sparse_m(x), y).backward()
+        sparse.step()
+    out["sparse"] = {"whole": sent_whole(sparse), "swept_up_to": float(sparse.profile.dense_allreduce.sizes[-1]),
+                     "small_bytes": sum(t.nbytes for t in sparse.profile.tensors if t.name in sparse.profile.small())}
     out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs, "param_diffs": param_diffs, "plans": plans,
                      "momentum_correction": ours.momentum_correction,
                      "sweeps": sorted(ours.profile.meta["sweeps_s"]), "priced": sorted(ours.profile.communicators),
                      "held": sorted(ours._controller.communicators)}
     return out
+
+
+def sent_whole(opt) -> dict:
+    """The job's small-tensor rule as its profile carries it, the tensors its sparse plan (the one
+    running, or the dense plan's runner-up) sends whole, and those the profile says it does."""
+    plan = opt.plan if not opt.plan.dense else FusionPlan.from_dict(opt.plan.meta["runner_up"])
+    profile = opt.profile if plan.density is None else opt.profile.at(plan.density)
+    return {"rule": [profile.min_selected, profile.dense_share],
+            "planned": sorted(n for i in plan.dense_buffers for n in plan.buffers[i]),
+            "small": sorted(profile.small()), "running": sorted(n for b in opt._controller.buffers if b.dense
+                                                               for n in b.names) if not opt.plan.dense else None}
 
 
 class LocalGradients:
