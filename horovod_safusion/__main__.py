@@ -3,10 +3,10 @@
 * ``list`` — the registered compressors, fusion planners and communicators.
 * ``plan`` — the fusion plan of every planner side by side, as the job would run it (its small
   tensors whole, :func:`~horovod_safusion.plan.send_small_dense`, by the rule the profile
-  carries), with the pipeline simulator's predicted iteration time, for a saved profile (``--profile FILE``) or for a model profiled on the
-  spot in one process (``--model package.module:callable --input-shape C,H,W``). One process has no
-  network, so ``--latency`` and ``--bandwidth`` replace the communication curve by an α–β model
-  for what-if planning.
+  carries), with the pipeline simulator's predicted iteration time, for a saved profile
+  (``--profile FILE``) or for a model profiled on the spot in one process (``--model
+  package.module:callable --input-shape C,H,W``). One process has no network, so ``--latency``
+  and ``--bandwidth`` replace the communication curve by an α–β model for what-if planning.
 * ``timeline merge`` — Horovod's Timeline and the plugin's per-rank timelines in one Chrome trace.
 * ``timeline breakdown`` — per-iteration means of forward, backward, compression, fusion copies,
   collective time and NOCT per run (SAFusion §5 Experiment 3), as a table and a stacked-bar PNG.
