@@ -168,9 +168,12 @@ def scenario_dense_choice():
 
 
 def sent_whole(opt) -> dict:
-    """The job's small-tensor rule as its profile carries it, the tensors its sparse plan (the one
-    running, or the dense plan's runner-up) sends whole, and those the profile says it does."""
-    plan = opt.plan if not opt.plan.dense else FusionPlan.from_dict(opt.plan.meta["runner_up"])
+    """The job's small-tensor rule as its profile carries it, the tensors its sparse plan (the
+    planner's choice from that profile, or where that is dense its runner-up) sends whole, those
+    the profile says it does, and those the plan running sends whole (``None`` where it is dense:
+    the trial may have switched to either)."""
+    planned = opt.planner.plan(opt.profile.tensors, opt.profile)
+    plan = planned if not planned.dense else FusionPlan.from_dict(planned.meta["runner_up"])
     profile = opt.profile if plan.density is None else opt.profile.at(plan.density)
     return {"rule": [profile.min_selected, profile.dense_share],
             "planned": sorted(n for i in plan.dense_buffers for n in plan.buffers[i]),
