@@ -70,7 +70,6 @@ def profile_model(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     from .fusion import (CostCurve, CupcakePlanner, InterPlanner, NaivePlanner, OMGSPlanner, Profile,
                             SAFusionPlanner, simulate)
-    from .plan import send_small_dense
     if (args.profile is None) == (args.model is None):
         raise SystemExit("give exactly one of --profile FILE or --model package.module:callable")
     profile = Profile.load(args.profile) if args.profile else profile_model(args)
@@ -85,10 +84,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "safusion": SAFusionPlanner(), "cupcake": CupcakePlanner(max_states=args.cupcake_max_states),
                 "omgs": OMGSPlanner()}
     # as the job would run them: its small tensors whole (the profile carries its rule)
-    numel = {t.name: t.numel for t in profile.tensors}
-    group = {t.name: t.group for t in profile.tensors}
-    plans = {name: send_small_dense(p.plan(profile.tensors, profile), numel, group, profile.density,
-                                    profile.min_selected, profile.dense_share) for name, p in planners.items()}
+    plans = {name: profile.send_small_dense(p.plan(profile.tensors, profile)) for name, p in planners.items()}
     schedules = {name: simulate(profile, plan) for name, plan in plans.items()}
     total = sum(t.numel for t in profile.tensors)
     print(f"{len(profile.tensors)} gradient tensors, {total:,} elements, density {profile.density:g}, "

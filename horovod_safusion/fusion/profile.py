@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Collection, Sequence
 
-from ..plan import TensorInfo, small_tensors
+from ..plan import FusionPlan, TensorInfo, send_small_dense, small_tensors
 from .costs import CostCurve
 
 
@@ -146,6 +146,14 @@ class Profile:
             return frozenset()
         numel = {t.name: t.numel for t in self.tensors}
         return frozenset(small_tensors(self.names, numel, self.density, self.min_selected, self.dense_share))
+
+    def send_small_dense(self, plan: FusionPlan) -> FusionPlan:
+        """``plan`` as the job runs it: :meth:`small` moved into dense buffers by the controller's
+        own rule (:func:`~horovod_safusion.plan.send_small_dense`, dtype and device groups as the
+        tensors')."""
+        numel = {t.name: t.numel for t in self.tensors}
+        group = {t.name: t.group for t in self.tensors}
+        return send_small_dense(plan, numel, group, self.density, self.min_selected, self.dense_share)
 
     def without(self, names: Collection[str]) -> "Profile":
         """The same job with the tensors ``names`` left out (those sent whole)."""

@@ -67,7 +67,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..density import densest_within, density_of
-from ..plan import FusionPlan, TensorInfo, send_small_dense, split_at_group_changes
+from ..plan import FusionPlan, TensorInfo, split_at_group_changes
 from .planner import Planner, register_planner
 from .safusion_inter import InterPlanner
 from .profile import Profile
@@ -178,10 +178,7 @@ class SAFusionPlanner(Planner):
         rest = profile.without(small)
         plan = self._best(rest) if rest.tensors else FusionPlan((), order=self.order, planner=self.name)
         whole = tuple(n for n in profile.names if n in small)
-        numel = {t.name: t.numel for t in profile.tensors}
-        group = {t.name: t.group for t in profile.tensors}
-        return send_small_dense(replace(plan, buffers=plan.buffers + (whole,)), numel, group, profile.density,
-                                profile.min_selected, profile.dense_share)
+        return profile.send_small_dense(replace(plan, buffers=plan.buffers + (whole,)))
 
     def _best(self, profile: Profile, dense: bool = False) -> FusionPlan:
         """Steps 1–2 and the guard under ``profile`` (``dense``: the plan sends every element)."""
