@@ -89,6 +89,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     total = sum(t.numel for t in profile.tensors)
     print(f"{len(profile.tensors)} gradient tensors, {total:,} elements, density {profile.density:g}, "
           f"{profile.workers} worker(s); {profile.meta.get('communicator', '?')} communication")
+    if profile.dense_allreduce is not None and not profile.prices_dense:
+        print("no dense plan priced: this profile's job ran with dense=False, and timed the dense allreduce "
+              "only for the tensors it sends whole")
     for name in planners:
         print(f"\n[{name}] {len(plans[name].buffers)} buffers")
         print(schedules[name].table())

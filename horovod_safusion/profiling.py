@@ -344,7 +344,7 @@ class OnlineProfiler:
             workers=process_set.size(),
             dense_allreduce=dense_curve,
             communicators=curves if chooses else {}, densities=densities,
-            min_selected=min_selected, dense_share=controller.dense_share,
+            min_selected=min_selected, dense_share=controller.dense_share, prices_dense=priced,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps,
                   "sweeps_s": {k: round(v, 4) for k, v in zip(took, slowest["sweeps_s"])},

@@ -64,6 +64,10 @@ class Profile:
         min_selected: the job's ``min_selected`` (0: every tensor sparsified), with
             :attr:`dense_share` the rule of :meth:`small`.
         dense_share: the job's ``dense_share``.
+        prices_dense: :attr:`dense_allreduce` was swept over the model's range, so it prices a
+            dense plan; ``False`` where the job swept it only up to the bytes of the tensors it
+            sends whole (``dense=False``), which a dense plan's buffers would extrapolate far
+            beyond (:meth:`as_dense` refuses it, and the planner does not offer dense).
         meta: free-form provenance (compressor, communicator, iterations, observed waits).
     """
 
@@ -84,6 +88,7 @@ class Profile:
     densities: dict[float, tuple[CostCurve, float]] = field(default_factory=dict)
     min_selected: int = 0
     dense_share: float = 0.0
+    prices_dense: bool = True
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -185,6 +190,9 @@ class Profile:
         selected (no compression time), the dense allreduce's cost curve."""
         if self.dense_allreduce is None:
             raise ValueError("this profile has no dense allreduce cost curve (dense_allreduce=None)")
+        if not self.prices_dense:
+            raise ValueError("this profile's dense allreduce curve covers only the tensors its job sent "
+                             "whole (prices_dense=False: the job ran with dense=False), not a dense plan")
         return Profile(tensors=self.tensors, ready=self.ready, prefix=self.prefix, suffix=self.suffix,
                        compress=self.compress, communicate=self.dense_allreduce, density=1.0,
                        wire_bytes=self.wire_bytes, dense_comm=True, segment_cost=0.0,
@@ -201,7 +209,8 @@ class Profile:
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
                 "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
                 "densities": [[d, c.to_dict(), seg] for d, (c, seg) in self.densities.items()],
-                "min_selected": self.min_selected, "dense_share": self.dense_share, "meta": self.meta}
+                "min_selected": self.min_selected, "dense_share": self.dense_share,
+                "prices_dense": self.prices_dense, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -215,7 +224,7 @@ class Profile:
                    communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
                    densities={float(x): (CostCurve.from_dict(c), float(seg)) for x, c, seg in d.get("densities", [])},
                    min_selected=int(d.get("min_selected", 0)), dense_share=float(d.get("dense_share", 0.0)),
-                   meta=d.get("meta", {}))
+                   prices_dense=bool(d.get("prices_dense", True)), meta=d.get("meta", {}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -30,7 +30,8 @@ out of Steps 1–3 and the guard, which size the buffers that select, and follow
 that the simulator prices by the dense allreduce's curve, so every prediction below holds them.
 
 **Dense choice** (ours, ``dense="auto"`` by default): where the profile also prices Horovod's
-dense allreduce (:attr:`Profile.dense_allreduce`), the same steps and guard plan the job as if
+dense allreduce (:attr:`Profile.dense_allreduce`, swept over the model's range:
+:attr:`Profile.prices_dense`), the same steps and guard plan the job as if
 every element were sent (:meth:`Profile.as_dense`: no compression, the dense curve), and the
 faster of the best sparse and the best dense plan by the simulator is returned. A sparse scheme
 pays for selection and decoding on every step; on a fast link, or for a model too small to
@@ -120,10 +121,11 @@ class SAFusionPlanner(Planner):
         if profile is None:
             raise ValueError("the 'safusion' planner plans from a profile; the optimizer profiles the "
                              "job online first (or pass one: planner.plan(tensors, profile))")
-        priced = profile.dense_allreduce is not None and not profile.dense_comm
+        priced = profile.dense_allreduce is not None and profile.prices_dense and not profile.dense_comm
         if self.dense_choice is True and not priced and not profile.dense_comm:
-            raise ValueError("dense=True plans a dense allreduce, but the profile does not price one "
-                             "(Profile.dense_allreduce is None)")
+            why = "Profile.dense_allreduce is None" if profile.dense_allreduce is None else \
+                "Profile.prices_dense is False: its job swept the dense allreduce for its small tensors alone"
+            raise ValueError(f"dense=True plans a dense allreduce, but the profile does not price one ({why})")
         if not profile.communicators and not profile.densities and (self.dense_choice is False or not priced):
             return self._sparse(profile)
         options = self._sparse_options(profile) if self.dense_choice is not True else {}

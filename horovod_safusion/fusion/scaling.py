@@ -116,9 +116,10 @@ def fit(protocol: str, curves: dict[int, CostCurve], rate_bits: float) -> Fitted
 
 
 def curves_of(profile: Profile) -> dict[str, CostCurve]:
-    """The cost curves a profile measured, by protocol: each communicator's and the dense allreduce's."""
+    """The cost curves a profile measured, by protocol: each communicator's and the dense allreduce's
+    (where it was swept over the model's range, :attr:`~horovod_safusion.fusion.Profile.prices_dense`)."""
     found = dict(profile.communicators) or {profile.meta.get("communicator", "?"): profile.communicate}
-    if profile.dense_allreduce is not None:
+    if profile.dense_allreduce is not None and profile.prices_dense:
         found["dense"] = profile.dense_allreduce
     return {k: v for k, v in found.items() if k in PROTOCOLS}
 
@@ -150,5 +151,6 @@ def scaled(profile: Profile, fits: dict[str, FittedCost], workers: int, rate_bit
                    communicate=sparse[first],
                    communicators=sparse if len(sparse) > 1 else {}, workers=workers,
                    dense_allreduce=fits["dense"].curve(workers, rate_bits) if "dense" in fits else None,
+                   prices_dense="dense" in fits,
                    meta=dict(profile.meta, communicator=first, scaled={"workers": workers, "rate_bits": rate_bits,
                                                                       "speedup": speedup}))

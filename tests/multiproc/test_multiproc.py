@@ -295,3 +295,4 @@ def test_dense_choice_is_priced_measured_and_the_same_on_every_rank(job):
         # forced sparse prices no dense plan: its dense allreduce is timed up to the small tensors'
         # bytes (from 1,024 elements) to price them
         assert r["sparse"]["swept_up_to"] == max(r["sparse"]["small_bytes"], 4 * 1024), r["sparse"]
+        assert r["sparse"]["prices_dense"] is False, r["sparse"]  # so no re-plan extrapolates it to a dense plan

@@ -112,7 +112,7 @@ def scenario_dense_choice():
     every = hvd.allgather_object(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy(), name="dc.eq")
     out["auto"] = {"dense": opt.plan.dense, "trial_done": opt.settled, "whole": sent_whole(opt),
                    "rng_untouched": torch.equal(user_stream, torch.get_rng_state()),
-                   "priced": opt.profile.dense_allreduce is not None,
+                   "priced": opt.profile.dense_allreduce is not None and opt.profile.prices_dense,
                    "communicators": sorted(opt.profile.communicators), "pruned": opt.profile.meta["pruned"],
                    "plan_communicator": opt.plan.communicator,
                    "sends_over": opt.communicator.name,
@@ -159,7 +159,8 @@ def scenario_dense_choice():
         F.cross_entropy(sparse_m(x), y).backward()
         sparse.step()
     out["sparse"] = {"whole": sent_whole(sparse), "swept_up_to": float(sparse.profile.dense_allreduce.sizes[-1]),
-                     "small_bytes": sum(t.nbytes for t in sparse.profile.tensors if t.name in sparse.profile.small())}
+                     "small_bytes": sum(t.nbytes for t in sparse.profile.tensors if t.name in sparse.profile.small()),
+                     "prices_dense": sparse.profile.prices_dense}
     out["forced"] = {"dense": ours.plan.dense, "grad_diffs": diffs, "param_diffs": param_diffs, "plans": plans,
                      "momentum_correction": ours.momentum_correction,
                      "sweeps": sorted(ours.profile.meta["sweeps_s"]), "priced": sorted(ours.profile.communicators),

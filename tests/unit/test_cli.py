@@ -1,10 +1,11 @@
 """``python -m horovod_safusion``: list the registries; plans side by side from a model or a profile."""
+import dataclasses
 import json
 
 import pytest
 
 from horovod_safusion.__main__ import main
-from horovod_safusion.fusion import Profile
+from horovod_safusion.fusion import CostCurve, Profile
 
 
 def test_list_names_every_registry(capsys):
@@ -31,5 +32,12 @@ def test_plan_profiles_a_model_on_the_spot_then_replans_a_saved_profile(hvd, cap
     assert main(["plan", "--profile", str(prof), "--latency", "1e-4", "--bandwidth", "1e9"]) == 0
     out = capsys.readouterr().out
     assert "16 gradient tensors" in out
+    # A dense=False job's profile: its dense curve reaches its small tensors' bytes alone
+    small_only = tmp_path / "sparse_job.json"
+    dataclasses.replace(p, workers=2, dense_allreduce=CostCurve([4096, 8192], [1e-4, 2e-4]),
+                        prices_dense=False).save(str(small_only))
+    assert main(["plan", "--profile", str(small_only), "--json", str(plan)]) == 0
+    assert "no dense plan priced: this profile's job ran with dense=False" in capsys.readouterr().out
+    assert not json.loads(plan.read_text())["dense"]
     with pytest.raises(SystemExit, match="exactly one of"):
         main(["plan"])

@@ -63,3 +63,9 @@ def test_a_scaled_profile_prices_every_fitted_protocol_at_the_new_p_and_speed():
     assert simulate(at.over(plan.communicator), plan).iteration == pytest.approx(plan.meta["predicted_iteration_s"])
     with pytest.raises(ValueError, match="speedup must be positive, got 0"):
         scaled(profiles[2], fits, 16, speedup=0)
+    # a dense curve swept for a dense=False job's small tensors alone is no dense allreduce to fit
+    small_only = {p: dataclasses.replace(q, prices_dense=False) for p, q in profiles.items()}
+    fits = fit_profiles(small_only, 1e9)
+    assert "dense" not in fits
+    at = scaled(small_only[2], fits, 64)
+    assert at.dense_allreduce is None and not at.prices_dense

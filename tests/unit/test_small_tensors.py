@@ -49,6 +49,28 @@ def test_profiles_keep_the_jobs_rule_through_json():
                               if k not in ("min_selected", "dense_share")}).small() == frozenset()
 
 
+def test_a_dense_curve_swept_for_the_small_tensors_alone_prices_them_and_no_dense_plan():
+    """A ``dense=False`` job sweeps the dense allreduce only up to the bytes of the tensors it sends
+    whole (``prices_dense=False``): a saved copy re-planned under ``dense="auto"`` (the plan CLI)
+    plans sparse, not a dense plan priced by extrapolating that curve, and says why where asked
+    for dense; the small tensors are still priced by the curve."""
+    p = sparse_job([400_000, 4_000, 40_000, 800], min_selected=64, dense_per_byte=1e-12)
+    assert SAFusionPlanner().plan(p.tensors, p).dense  # priced over the model, dense is cheaper here
+    q = Profile.from_dict(dataclasses.replace(p, prices_dense=False).to_dict())
+    assert q.prices_dense is False and Profile.from_dict(
+        {k: v for k, v in p.to_dict().items() if k != "prices_dense"}).prices_dense is True
+    plan = SAFusionPlanner().plan(q.tensors, q)
+    assert not plan.dense and plan.dense_buffers and "dense" not in plan.meta.get("predicted_options_s", {})
+    whole = [n for i in plan.dense_buffers for n in plan.buffers[i]]
+    row = simulate(q, plan).buffers[plan.dense_buffers[0]]
+    assert row.t_cm == pytest.approx(q.dense_allreduce(q.dense_bytes(plan.buffers[plan.dense_buffers[0]])))
+    assert set(whole) == q.small()
+    with pytest.raises(ValueError, match="prices_dense is False: its job swept the dense allreduce"):
+        SAFusionPlanner(dense=True).plan(q.tensors, q)
+    with pytest.raises(ValueError, match=r"covers only the tensors its job sent whole \(prices_dense=False"):
+        q.as_dense()
+
+
 sizes = st.lists(st.integers(1, 400).map(lambda n: 4 * n * n), min_size=1, max_size=9)
 
 
