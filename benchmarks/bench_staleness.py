@@ -17,11 +17,13 @@ trained two ways:
 * ``dense, delay d``: plain PyTorch, each step applies the gradient of d steps before (d = 0 is
   what Horovod computes);
 * the plugin with every tensor sparsified (``dense=False, min_selected=0``) at each density, with
-  its default error feedback (``momentum_correction="auto"``; ``dense=False`` turns the default's
-  critical regimes off), classic error feedback (``momentum_correction=False``), DGC's momentum
-  correction with masking (``True``), and the default with Accordion's critical regimes at the
-  default's interval of 10 steps (``critical_regimes=10``, what the default does where it sends
-  sparse: an interval whose update's norm changed by half or more sends the next one dense),
+  its default error feedback (``momentum_correction="auto"``: DGC's momentum correction with
+  masking for this SGD; ``dense=False`` turns the default's critical regimes off), the correction
+  without masking (``nomask``, ``momentum_masking=False``), classic error feedback
+  (``momentum_correction=False``), the correction forced with masking (``True``), and the
+  default with Accordion's critical regimes at the default's interval of 10 steps
+  (``critical_regimes=10``, what the default does where it sends sparse: an interval whose
+  update's norm changed by half or more sends the next one dense),
   masking and critical regimes together (``mc+mask+regimes``), and EF21-SGDM
   (``error_feedback="ef21-sgdm"``, Fatkhullin et al., NeurIPS'23, Algorithm 1).
 
@@ -48,7 +50,8 @@ from tqdm import tqdm
 import horovod_safusion as saf
 from horovod_safusion.regime import DEFAULT_INTERVAL
 
-VARIANTS = {"default": {}, "classic": {"momentum_correction": False}, "mc+mask": {"momentum_correction": True},
+VARIANTS = {"default": {}, "nomask": {"momentum_masking": False}, "classic": {"momentum_correction": False},
+            "mc+mask": {"momentum_correction": True},
             "regimes": {"critical_regimes": DEFAULT_INTERVAL},
             "mc+mask+regimes": {"momentum_correction": True, "critical_regimes": DEFAULT_INTERVAL},
             "ef21": {"error_feedback": "ef21-sgdm", "momentum_correction": False}}

@@ -84,8 +84,10 @@ class Scheme:
         if "ef21" in t:
             out["error_feedback"] = "ef21-sgdm"
         if "mc" in t:
-            out.update(momentum_correction=True, momentum_masking="nomask" not in t)
-        elif "classic" in t:
+            out["momentum_correction"] = True
+        if "mc" in t or "nomask" in t:
+            out["momentum_masking"] = "nomask" not in t
+        if "classic" in t and "mc" not in t:
             out["momentum_correction"] = False
         if "clip" in t and clip is not None:
             out["local_clipping"] = clip

@@ -23,6 +23,8 @@ import schemes  # noqa: E402
     ("safusion@0.001+dgc", {"density": 0.001, "warmup_steps": 7, "momentum_correction": True,
                             "momentum_masking": True, "local_clipping": 0.25}),
     ("safusion@0.01+mc+nomask", {"density": 0.01, "momentum_correction": True, "momentum_masking": False}),
+    ("safusion+nomask", {"momentum_masking": False}),  # the default's correction, without masking
+    ("safusion+classic", {"momentum_correction": False}),
     ("safusion@0.01+ef21", {"density": 0.01, "error_feedback": "ef21-sgdm"}),
     ("safusion:communicator=spardl:dense=false:min_selected=0",
      {"communicator": "spardl", "dense": False, "min_selected": 0}),
