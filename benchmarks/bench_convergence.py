@@ -19,8 +19,9 @@ from the same initialisation on the same data order for every scheme and seed:
   the first 1.5 M characters, every 10th file held out: about 180 k training tokens, the first
   20 k held-out tokens evaluated), 16 sequences × 35 tokens per worker, SGD lr 3.2 (near dense's
   best at this budget; docs/benchmarks.md has the sweep) momentum 0.9, gradients clipped to norm
-  0.25 as a Horovod user does (``synchronize()``, ``clip_grad_norm_``, ``step()`` under
-  ``skip_synchronize()``), ``--lstm-epochs`` epochs; metric: validation perplexity (lower is better).
+  0.25 (``--lstm-clip``; 0: no clip) as a Horovod user does (``synchronize()``,
+  ``clip_grad_norm_``, ``step()`` under ``skip_synchronize()``), ``--lstm-epochs`` epochs; metric:
+  validation perplexity (lower is better).
 
 Schemes (labels of :mod:`schemes`' grammar, the same everywhere): ``horovod``
 (``hvd.DistributedOptimizer``, dense); ``ddp-powersgd-1bucket`` (PyTorch DDP with PowerSGD's
@@ -36,8 +37,8 @@ registered compressor. ``--schemes`` also takes single techniques: ``+mc``, ``+n
 ``warmup_schedule="dense"``, as PowerSGD's ``start_powerSGD_iter``), ``+ef21``
 (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``: classic error
 feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or ``+classic`` keeps the
-plugin's default (``momentum_correction="auto"``: DGC's correction with masking for this SGD;
-``+nomask`` alone: without masking). This benchmark runs ours with ``dense=False`` and critical
+plugin's default (``momentum_correction="auto"``: DGC's correction without masking for this
+SGD; ``+nomask`` alone says so, ``momentum_masking=False``). This benchmark runs ours with ``dense=False`` and critical
 regimes at the default's interval (``critical_regimes=10``: what the default does where it sends
 sparse, since ``dense=False`` alone turns them off; a label's ``:dense=...`` or
 ``:critical_regimes=none`` overrides either), so the comparison is of the sparse algorithms; rank 0
@@ -174,6 +175,7 @@ class LSTM(Task):
         self.valid = valid[:args.valid_tokens]
         self.n_train = (len(self.train_ids) - 1) // self.bptt  # windows
         self.batch, self.lr, self.epochs = 16, args.lstm_lr, args.lstm_epochs
+        self.clip = args.lstm_clip or None
 
     def model(self):
         return LSTMLanguageModel(len(self.itos), embed=128, hidden=128, layers=1, dropout=0.2)
@@ -699,8 +701,8 @@ def plot_lag(model: str, task_cls, runs: dict, path: str) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 #: The options of the training itself (the tasks' length, evaluation and warm-up), which
 #: ``bench_time_to_accuracy`` passes on to its workers.
-TRAINING_ARGS = ("digits_epochs", "digits_width", "digits_lr", "lstm_epochs", "lstm_lr", "evals", "valid_tokens",
-                 "warmup_fraction")
+TRAINING_ARGS = ("digits_epochs", "digits_width", "digits_lr", "lstm_epochs", "lstm_lr", "lstm_clip", "evals",
+                 "valid_tokens", "warmup_fraction")
 
 
 def add_training_args(ap: argparse.ArgumentParser) -> None:
@@ -713,6 +715,8 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lstm-epochs", type=int, default=2)
     ap.add_argument("--lstm-lr", type=float, default=3.2, help="lstm: the SGD's learning rate (0.5 before "
                     "2026-11-29, far below dense's best)")
+    ap.add_argument("--lstm-clip", type=float, default=0.25, help="lstm: the norm the aggregate gradient is "
+                    "clipped to after synchronize(), as Horovod users do (0: no clip)")
     ap.add_argument("--evals", type=int, default=4, help="evaluations per epoch")
     ap.add_argument("--valid-tokens", type=int, default=20000, help="lstm: held-out tokens evaluated")
     ap.add_argument("--warmup-fraction", type=float, default=0.1,

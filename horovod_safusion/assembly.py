@@ -64,7 +64,7 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
         options.momentum_correction == AUTO and not options.ef21 and not comp.dense and comp.density < 1.0
         and options.dense is not True and comp.auto_momentum_correction and takes_over_momentum(opt))
     check_momentum(opt, correction, options.ef21)
-    masking = True if options.momentum_masking is None else options.momentum_masking  # wherever the correction runs
+    masking = options.momentum_correction is True if options.momentum_masking is None else options.momentum_masking
     densities = density_candidates(planner, comp, options.density)
     comms = make_communicators(options.communicator, comp.dense, opt.process_set, opt._compression,
                                sends_dense=options.dense is True)

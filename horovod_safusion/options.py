@@ -92,10 +92,10 @@ class Options:
         the SGD's own momentum.""")
     momentum_masking: Any = _option(None, """
         with momentum correction, clear the momentum of the elements a sparse step sent (DGC's
-        momentum factor masking, §3.3). Default: on wherever the correction runs (as in DGC), so
-        that an element that waited does not go on pushing in its old direction once sent; an
-        element sent at every step then moves without momentum. ``False`` keeps the momentum of
-        sent elements (docs/benchmarks.md, "The early lag", has the runs of both).""")
+        momentum factor masking, §3.3). Default: on with ``momentum_correction=True`` (as in DGC),
+        off where ``"auto"`` turned the correction on. An element sent at every step then moves
+        without momentum, which can cost more accuracy than masking saves (docs/benchmarks.md,
+        "The early lag", has the runs).""")
     local_clipping: Any = _option(None, """
         DGC's local gradient clipping: the global ``max_norm`` you would clip to; each worker clips
         each tensor's gradient to ``max_norm / sqrt(workers)`` before error feedback. Default

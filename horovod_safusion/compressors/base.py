@@ -43,7 +43,7 @@ class Compressor(Stateful, ABC):
         dense: ``True`` for compressors that always keep every element; the controller then
             skips selection and the default communicator becomes a dense allreduce.
         auto_momentum_correction: whether ``momentum_correction="auto"`` takes over an SGD's
-            momentum under this compressor (DGC §3.2–3.3); ``False`` keeps classic
+            momentum under this compressor (DGC §3.2, without masking); ``False`` keeps classic
             error feedback, as a compressor's paper ran it where the correction does not suit it.
         state_fields: the attributes that change from step to step (thresholds, estimation steps):
             the optimizer's ``state_dict()`` carries them, so a resumed job selects exactly as an

@@ -15,8 +15,8 @@ import bench_convergence as bench  # noqa: E402
 
 
 def options(**kw) -> argparse.Namespace:
-    base = dict(digits_epochs=1, lstm_epochs=1, lstm_lr=0.5, evals=4, valid_tokens=1000, warmup_fraction=0.1, steps=None,
-                eval_every=None, diagnostics=False, digits_width=8, digits_lr=0.05)
+    base = dict(digits_epochs=1, lstm_epochs=1, lstm_lr=0.5, lstm_clip=0.25, evals=4, valid_tokens=1000,
+                warmup_fraction=0.1, steps=None, eval_every=None, diagnostics=False, digits_width=8, digits_lr=0.05)
     base.update(kw)
     return argparse.Namespace(**base)
 
