@@ -75,9 +75,9 @@ class Partitions:
         """Algorithm 3 lines 7–28: move blocks between adjacent partitions towards balance."""
         k = list(self.counts)
         total = sum(k)
-        if not k or total <= 0:
-            return
         pk_prev, den_prev = total / self.workers, total / self.numel
+        if not k or pk_prev <= 0:  # nothing selected, or too little to divide by: nothing to balance
+            return
         k_move = blk_move * self.sz_blk * den_prev
         for i in range(self.workers - 1):
             det, det2 = k[i] / pk_prev, k[i + 1] / pk_prev

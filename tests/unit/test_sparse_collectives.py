@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from horovod_safusion.communicators.accumulator import ascending, at_agreed
 from horovod_safusion.kernels import reference
@@ -94,6 +94,8 @@ def test_block_bounds_cover_the_buffer(numel, P):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 200_000), st.integers(1, 9), st.integers(1, 64),
        st.lists(st.floats(0, 1000), min_size=9, max_size=9), st.integers(0, 20))
+# a total count whose share per worker underflows to zero (found by a CI run): nothing to balance
+@example(numel=1, n=2, per_worker=1, counts=[0.0] * 8 + [5e-324], rounds=8)
 def test_exdyna_partitions_stay_disjoint_and_cover_the_buffer(numel, n, per_worker, counts, rounds):
     parts = Partitions(numel, n, per_worker * n)
     for _ in range(rounds):
