@@ -37,8 +37,9 @@ registered compressor. ``--schemes`` also takes single techniques: ``+mc``, ``+n
 ``warmup_schedule="dense"``, as PowerSGD's ``start_powerSGD_iter``), ``+ef21``
 (``error_feedback="ef21-sgdm"``) and ``+classic`` (``momentum_correction=False``: classic error
 feedback under the SGD's momentum). A key without ``+mc``, ``+ef21`` or ``+classic`` keeps the
-plugin's default (``momentum_correction="auto"``: DGC's correction without masking for this
-SGD; ``+nomask`` alone says so, ``momentum_masking=False``). This benchmark runs ours with ``dense=False`` and critical
+plugin's default (``momentum_correction="auto"``: DGC's correction for this SGD, with masking by
+tensor, ``momentum_masking="auto"``; ``+nomask`` alone: the correction without masking,
+``momentum_masking=False``). This benchmark runs ours with ``dense=False`` and critical
 regimes at the default's interval (``critical_regimes=10``: what the default does where it sends
 sparse, since ``dense=False`` alone turns them off; a label's ``:dense=...`` or
 ``:critical_regimes=none`` overrides either), so the comparison is of the sparse algorithms; rank 0

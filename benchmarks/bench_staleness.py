@@ -17,9 +17,10 @@ trained two ways:
 * ``dense, delay d``: plain PyTorch, each step applies the gradient of d steps before (d = 0 is
   what Horovod computes);
 * the plugin with every tensor sparsified (``dense=False, min_selected=0``) at each density, with
-  its default error feedback (``momentum_correction="auto"``: DGC's momentum correction without
-  masking for this SGD; ``dense=False`` turns the default's critical regimes off), the same with
-  masking (``mask``, ``momentum_masking=True``), classic error feedback
+  its default error feedback (``momentum_correction="auto"``: DGC's momentum correction with
+  masking by tensor for this SGD, ``momentum_masking="auto"``; ``dense=False`` turns the default's
+  critical regimes off), the same with masking in every tensor (``mask``,
+  ``momentum_masking=True``) and without masking (``nomask``, ``False``), classic error feedback
   (``momentum_correction=False``), the correction forced with masking (``True``), and the
   default with Accordion's critical regimes at the default's interval of 10 steps
   (``critical_regimes=10``, what the default does where it sends sparse: an interval whose
@@ -50,7 +51,8 @@ from tqdm import tqdm
 import horovod_safusion as saf
 from horovod_safusion.regime import DEFAULT_INTERVAL
 
-VARIANTS = {"default": {}, "mask": {"momentum_masking": True}, "classic": {"momentum_correction": False},
+VARIANTS = {"default": {}, "mask": {"momentum_masking": True}, "nomask": {"momentum_masking": False},
+            "classic": {"momentum_correction": False},
             "mc+mask": {"momentum_correction": True},
             "regimes": {"critical_regimes": DEFAULT_INTERVAL},
             "mc+mask+regimes": {"momentum_correction": True, "critical_regimes": DEFAULT_INTERVAL},

@@ -64,7 +64,9 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
         options.momentum_correction == AUTO and not options.ef21 and not comp.dense and comp.density < 1.0
         and options.dense is not True and comp.auto_momentum_correction and takes_over_momentum(opt))
     check_momentum(opt, correction, options.ef21)
-    masking = options.momentum_correction is True if options.momentum_masking is None else options.momentum_masking
+    masking = options.momentum_masking
+    if masking is None:  # DGC's masking everywhere where asked for; by tensor where "auto" chose the correction
+        masking = True if options.momentum_correction is True else AUTO
     densities = density_candidates(planner, comp, options.density)
     comms = make_communicators(options.communicator, comp.dense, opt.process_set, opt._compression,
                                sends_dense=options.dense is True)

@@ -226,10 +226,12 @@ class Controller:
                 "regimes": self.regimes.state_dict() if self.regimes is not None else None}
 
     def rank_state(self) -> dict:
-        """This rank's own part: its residuals and momenta, its compressor's and communicator's state."""
+        """This rank's own part: its residuals and momenta (with which tensors masking clears), its
+        compressor's and communicator's state."""
         return {"residuals": self.residuals.state_dict(), "compressor": self.compressor.state_dict(),
                 "communicator": self.communicator.state_dict(),
-                "momenta": self.momentum.state_dict() if self.momentum is not None else {}}
+                "momenta": self.momentum.state_dict() if self.momentum is not None else {},
+                "masked": dict(self.momentum.masked) if self.momentum is not None else {}}
 
     def load_state_dict(self, state: dict, ranks: dict[int, dict], world_size: int, all_ranks: bool) -> bool:
         """Load :meth:`state_dict` with the :meth:`rank_state` of the ``ranks`` saved (a job of
@@ -253,6 +255,7 @@ class Controller:
             self.loss_scale.residuals = state["loss_scale"]
             if self.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
                 self.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in self.params.items()})
+                self.momentum.masked.update(source.get("masked", {}))
         plan = FusionPlan.from_json(state["plan"])
         if plan.communicator is not None and plan.communicator not in self.communicators:
             warnings.warn(f"the checkpoint's fusion plan sends over communicator {plan.communicator!r}, which this "

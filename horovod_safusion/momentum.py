@@ -55,6 +55,19 @@ correction) moves a parameter only where an element was sent, and releases what 
 residual in bursts that the optimizer's momentum then carries on; EF21-SGDM moves every element
 by the estimate at every step, and only the estimate's error waits. The plugin holds ``u`` and
 the residual; ``g/η`` is the wrapped SGD's own momentum buffer.
+
+**Masking by tensor** (``momentum_masking="auto"``, where ``momentum_correction="auto"`` turned the
+correction on). DGC masks every tensor (§3.3). Masking helps where an element is sent after it
+waited: ``u`` then holds a push that the sent residual has already delivered, and kept, it would
+push again. It hurts where the same elements are sent at almost every step, as in an embedding's
+rows of frequent tokens or a vocabulary decoder: there the top elements of each gradient hold
+nearly all of it, and masking leaves them moving without momentum. So each tensor is masked or
+not by its first gradient (:func:`concentration`: how much more of its squared norm its largest
+:data:`CONCENTRATION_SHARE` of elements hold than they would of equal magnitudes): masked where
+that is below :data:`CONCENTRATED`, a spread gradient (a convolution's, a dense layer's, a bias
+of one element), and not where it concentrates. The rule is the plugin's own, chosen by
+measurement (docs/benchmarks.md, "Masking by tensor"); DGC names the staleness it answers, not
+the rule.
 """
 from __future__ import annotations
 
@@ -72,6 +85,14 @@ MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped ste
 #: way out.
 MOMENTUM_CORRECTION = ("momentum_correction=True", "DGC §3.2", "momentum_correction=False")
 EF21_SGDM = ('error_feedback="ef21-sgdm"', "EF21-SGDM, Algorithm 1", 'error_feedback="classic"')
+
+#: ``momentum_masking="auto"``: the share of a gradient's elements, its largest, whose share of the
+#: squared norm decides whether the tensor is masked (:func:`concentration`), and the concentration
+#: at or above which the tensor keeps its momentum. A Gaussian's largest 1 % hold 8 % of its squared
+#: norm (a concentration of 0.07); what the benchmarks' tensors measure is in docs/benchmarks.md
+#: ("Masking by tensor").
+CONCENTRATION_SHARE = 0.01
+CONCENTRATED = 0.5
 
 
 def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, str, str] = MOMENTUM_CORRECTION,
@@ -161,6 +182,21 @@ def first_gradient_scale(groups: Sequence[dict], back: bool = False) -> None:
                     p.grad.mul_(factor) if back else p.grad.div_(factor)
 
 
+def concentration(g: torch.Tensor, share: float = CONCENTRATION_SHARE) -> float | None:
+    """How much more of ``g``'s squared norm its largest ``share`` of elements (at least one) hold
+    than they would of a gradient of equal magnitudes: ``(held − k/n) / (1 − k/n)`` for the
+    largest ``k`` of ``n`` elements, 0 for equal magnitudes (and a single element), 1 for one
+    non-zero element. ``None`` where the squared norm is zero (or underflows) or not finite: nothing
+    to decide by yet."""
+    energy = g.detach().reshape(-1).float().square()
+    n = energy.numel()
+    k = max(1, math.ceil(share * n))
+    held = float(energy.topk(k).values.sum() / energy.sum())  # one read, at a tensor's first gradient
+    if not math.isfinite(held):  # 0/0 where the norm is zero
+        return None
+    return 0.0 if k == n else (held - k / n) / (1 - k / n)
+
+
 class GradientWatch:
     """Whether the script changed the aggregated gradients between ``synchronize()`` and
     ``step()``: Horovod's recipe for a clip (``clip_grad_norm_`` scales every gradient in place,
@@ -186,25 +222,31 @@ class MomentumCorrection:
     Args:
         groups: the wrapped SGD's parameter groups, read at every step (schedulers may change
             ``momentum`` and ``weight_decay``).
-        masking: clear ``u`` where a sparse step sent the residual (momentum factor masking).
+        masking: clear ``u`` where a sparse step sent the residual (momentum factor masking):
+            ``True`` in every tensor, ``"auto"`` in the tensors whose gradient is spread
+            (:attr:`masked`), ``False`` nowhere.
         params: the trainable parameters by name.
         increments: EF21-SGDM: the residual gains ``u``'s increment, not ``u`` (and no masking).
 
     Attributes:
         momenta: the per-parameter ``u``, views of the buffers' momentum planes.
+        masked: under ``masking="auto"``, whether each parameter is masked, decided by its first
+            gradient with a finite, non-zero norm (:func:`concentration`); part of the rank's
+            state, so that a resumed job masks as the saved one did.
         decay: whether ``u`` takes the weight decay; off for the first step of
             ``momentum_correction="auto"``, whose weight decay the SGD applies
             (:meth:`add_weight_decay`).
     """
 
-    def __init__(self, groups: Sequence[dict], masking: bool = True,
+    def __init__(self, groups: Sequence[dict], masking: bool | str = True,
                  params: dict[str, torch.Tensor] | None = None, increments: bool = False) -> None:
         self._groups = groups
         self._group = {id(p): g for g in groups for p in g["params"]}
         self.increments = increments
-        self.masking = masking and not increments
+        self.masking = False if increments else masking
         self.params = dict(params or {})
         self.momenta = ResidualStore()
+        self.masked: dict[str, bool] = {}
         self.decay = True
 
     def add(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -244,6 +286,8 @@ class MomentumCorrection:
         p = buf.params[slot]
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
+        if self.masking == "auto" and buf.names[slot] not in self.masked:
+            self._decide(buf.names[slot], g)
         d = g if wd == 0 or not self.decay else torch.add(g, p.detach().reshape(-1), alpha=wd)
         if self.increments:
             return self._increment(u, d, m, rescale, on_host)
@@ -288,10 +332,27 @@ class MomentumCorrection:
                 u.add_(p.detach().reshape(-1), alpha=wd)
         self.decay = True
 
+    def _decide(self, name: str, g: torch.Tensor) -> None:
+        """Mask parameter ``name`` where its gradient ``g`` is spread (``masking="auto"``); where
+        ``g``'s norm is zero or not finite, decide at a later gradient."""
+        held = concentration(g)
+        if held is not None:
+            self.masked[name] = held < CONCENTRATED
+
     def mask(self, buf, indices: torch.Tensor) -> None:
-        """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent."""
-        if self.masking and buf.momentum is not None:
-            buf.momentum.index_fill_(0, indices, 0)
+        """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent, in
+        every tensor or, under ``masking="auto"``, in the buffer's masked tensors."""
+        if not self.masking or buf.momentum is None:
+            return
+        if self.masking == "auto":
+            masked = [self.masked.get(name, False) for name in buf.names]
+            if not any(masked):
+                return
+            if not all(masked):  # the sent elements of the masked tensors: each index's tensor
+                starts = torch.as_tensor(buf.bounds[1:-1], dtype=indices.dtype, device=indices.device)
+                tensor = torch.bucketize(indices, starts, right=True)
+                indices = indices[torch.as_tensor(masked, device=indices.device)[tensor]]
+        buf.momentum.index_fill_(0, indices, 0)
 
     def momentum(self, name: str) -> torch.Tensor:
         """The flat ``u`` of parameter ``name`` (read, do not modify; zeros before its first step)."""

@@ -92,10 +92,14 @@ class Options:
         the SGD's own momentum.""")
     momentum_masking: Any = _option(None, """
         with momentum correction, clear the momentum of the elements a sparse step sent (DGC's
-        momentum factor masking, §3.3). Default: on with ``momentum_correction=True`` (as in DGC),
-        off where ``"auto"`` turned the correction on. An element sent at every step then moves
-        without momentum, which can cost more accuracy than masking saves (docs/benchmarks.md,
-        "The early lag", has the runs).""")
+        momentum factor masking, §3.3). ``True``: in every tensor, as DGC. ``"auto"``: in the
+        tensors whose gradient is spread (a convolution's, a dense layer's), not in those whose
+        gradient concentrates in a few elements (an embedding's, a vocabulary decoder's), which are
+        sent at almost every step and would then move without momentum; each tensor is decided by
+        its first gradient (:mod:`horovod_safusion.momentum`). ``False``: nowhere. Default
+        (``None``): ``True`` with ``momentum_correction=True``, ``"auto"`` where
+        ``momentum_correction="auto"`` turned the correction on (docs/benchmarks.md, "Masking by
+        tensor", has the runs).""")
     local_clipping: Any = _option(None, """
         DGC's local gradient clipping: the global ``max_norm`` you would clip to; each worker clips
         each tensor's gradient to ``max_norm / sqrt(workers)`` before error feedback. Default
@@ -149,6 +153,9 @@ class Options:
         mc = self.momentum_correction
         if not (mc is True or mc is False or mc == AUTO):
             raise ValueError(f"momentum_correction must be True, False or {AUTO!r}, got {mc!r}")
+        mm = self.momentum_masking
+        if not (mm is None or mm is True or mm is False or mm == AUTO):
+            raise ValueError(f"momentum_masking must be True, False, {AUTO!r} or None (the default), got {mm!r}")
         if self.ef21 and mc is True:
             raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
                              "with momentum_correction=True: pass one of them")
@@ -183,7 +190,7 @@ def signature(factory: Callable) -> inspect.Signature:
              "fusion": "str | Planner | None", "communicator": "str | Communicator",
              "replan_every": "int | None", "timeline": "str | TimelineRecorder | None",
              "dense": "bool | str | None", "momentum_correction": "bool | str",
-             "momentum_masking": "bool | None", "local_clipping": "float | None",
+             "momentum_masking": "bool | str | None", "local_clipping": "float | None",
              "critical_regimes": "int | None"}
     horovods = list(inspect.signature(factory).parameters.values())[:-1]
     return inspect.Signature(horovods + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,

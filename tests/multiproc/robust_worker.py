@@ -30,9 +30,10 @@ Every scenario runs every compressor with every communicator it can pair with:
   plugin's defaults, ``dense=False``, ``dense=False`` with every tensor sparsified
   (``min_selected=0``: a gradient two steps late already diverges this SGD,
   ``benchmarks/bench_staleness.py``, and error feedback holds an element for tens of steps), the
-  same with DGC's momentum factor masking (``momentum_masking=True`` under the default's momentum
-  correction), and that at density 0.01 (k = 1 element of the smallest tensors). Records the
-  evaluation loss at the start and the end of each.
+  same with DGC's momentum factor masking in every tensor (``momentum_masking=True``) and with no
+  masking (``False``) under the default's momentum correction, and the default at density 0.01
+  (k = 1 element of the smallest tensors). Records the evaluation loss at the start and the end
+  of each.
 """
 from __future__ import annotations
 
@@ -495,10 +496,11 @@ def scenario_tiny():
     out = {}
     for label, kw in (("horovod", None), ("default", {}), ("dense=False", {"dense": False}),
                       ("every tensor sparse", {"dense": False, "min_selected": 0}),
-                      ("every tensor sparse, masking", {"dense": False, "min_selected": 0,
-                                                       "momentum_masking": True}),
-                      ("every tensor sparse, masking, 0.01", {"dense": False, "min_selected": 0,
-                                                             "momentum_masking": True, "density": 0.01})):
+                      ("every tensor sparse, masking everywhere", {"dense": False, "min_selected": 0,
+                                                                  "momentum_masking": True}),
+                      ("every tensor sparse, no masking", {"dense": False, "min_selected": 0,
+                                                          "momentum_masking": False}),
+                      ("every tensor sparse, 0.01", {"dense": False, "min_selected": 0, "density": 0.01})):
         torch.manual_seed(0)
         model = mlp()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -1,18 +1,22 @@
 """DGC's accuracy techniques through the real optimizer in a one-worker Horovod job: momentum
-correction and factor masking (exact conservation of the new state, masking, equivalence with
-SGD's momentum when everything is sent, EF21-SGDM's too), local gradient clipping, and the
-density warm-up."""
+correction and factor masking (exact conservation of the new state, masking in every tensor and
+by tensor, equivalence with SGD's momentum when everything is sent, EF21-SGDM's too), local
+gradient clipping, and the density warm-up."""
 import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import NaivePlanner
+from horovod_safusion.momentum import CONCENTRATED, concentration
 from horovod_safusion.warmup import STAGES, DensityWarmup
+from corpus import stdlib_corpus
 from digits import DigitsCNN, load_digits_split
+from models import LSTMLanguageModel
 
 DATA = load_digits_split()
 
@@ -71,6 +75,84 @@ def test_momentum_correction_conserves_and_masks(hvd, nesterov, weight_decay):
         for g in opt.param_groups:  # the user's values are back after the step
             assert g["momentum"] == m and g["weight_decay"] == weight_decay and g["nesterov"] == nesterov
     assert sent_somewhere > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.just(0.0), st.floats(2.0 ** -20, 2.0 ** 20, width=32),
+                                 st.floats(-(2.0 ** 20), -(2.0 ** -20), width=32)),
+                       min_size=1, max_size=400),
+       exponent=st.integers(-10, 10))  # no square underflows or overflows in float32
+def test_concentration_is_0_for_equal_magnitudes_1_for_one_element_and_free_of_scale(values, exponent):
+    g = torch.tensor(values, dtype=torch.float32)
+    c = concentration(g)
+    if not g.any():
+        assert c is None  # nothing to decide by
+        return
+    assert -1e-6 <= c <= 1 + 1e-6
+    assert concentration(g * 2.0 ** exponent) == c  # a power of two scales every square exactly
+    flat = torch.full_like(g, 3.0) * torch.sign(g).where(g != 0, torch.ones_like(g))
+    assert concentration(flat) == pytest.approx(0.0, abs=1e-6)
+    one = torch.zeros(g.numel() + 1)
+    one[len(values) // 2] = -5.0
+    assert concentration(one) == (0.0 if one.numel() == 1 else 1.0)
+    assert concentration(torch.full_like(g, float("nan"))) is None
+
+
+def word_model_and_batches(capacity: int):
+    """The examples' LSTM word model, small, on the standard library's source, under the
+    default's momentum correction with every tensor sparsified in buffers of ``capacity`` bytes."""
+    ids, itos = stdlib_corpus(vocab=1000, max_chars=300_000)
+    torch.manual_seed(0)
+    model = LSTMLanguageModel(len(itos), embed=32, hidden=32, layers=1, dropout=0.0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = saf.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compressor="topk",
+                                   density=0.05, min_selected=0, dense_share=0,
+                                   fusion=NaivePlanner(capacity_bytes=capacity))
+    windows = ids[:4 * 16 * 21].view(4, 16, 21)
+    return model, opt, windows, len(itos)
+
+
+@pytest.mark.parametrize("capacity", [1 << 22, 4096])  # one buffer of every tensor; about a buffer per tensor
+def test_masking_by_tensor_keeps_the_momentum_of_concentrated_gradients(hvd, capacity):
+    """The default's masking (``"auto"``): each tensor is decided by its first gradient; the word
+    model's embedding and decoder, whose gradients concentrate in a few rows, keep ``u`` where a
+    step sent, while its spread recurrent weights have ``u`` cleared exactly there; in every
+    tensor ``residual_after + sent == residual_before + u`` exactly, and the decisions travel in
+    the checkpoint."""
+    model, opt, windows, vocab = word_model_and_batches(capacity)
+    m = 0.9
+    names = dict(model.named_parameters())
+    momentum = opt.local_momentum
+    assert opt.momentum_correction is True and momentum.masking == "auto"
+    sparse_steps = 0
+    for step, batch in enumerate(windows):
+        before = {n: opt.residuals.get(n, p.detach().view(-1)).clone() for n, p in names.items()}
+        u_before = {n: momentum.momentum(n).clone() for n in names}
+        opt.zero_grad()
+        F.cross_entropy(model(batch[:, :-1]).reshape(-1, vocab), batch[:, 1:].reshape(-1)).backward()
+        grads = {n: p.grad.detach().view(-1).clone() for n, p in names.items()}
+        if step == 0:
+            expected = {n: concentration(g) < CONCENTRATED for n, g in grads.items()}
+        opt.synchronize()
+        assert momentum.masked == expected
+        sparse_steps += opt.last_stats.density < 1
+        for n, p in names.items():
+            u = torch.add(grads[n], u_before[n], alpha=m)
+            picked = p.grad.view(-1) != 0
+            total = before[n] + u
+            sent = torch.where(picked, total, torch.zeros_like(total))
+            assert torch.equal(opt.residuals.get(n, p.grad.view(-1)) + sent, total), f"{n}: mass lost"
+            kept = torch.where(picked, torch.zeros_like(u), u) if expected[n] else u
+            assert torch.equal(momentum.momentum(n), kept), f"{n}: masked {expected[n]}, u is wrong"
+        with opt.skip_synchronize():
+            opt.step()
+    assert sparse_steps >= 2
+    assert not expected["encoder.weight"] and not expected["decoder.weight"]  # rows of frequent tokens
+    assert expected["lstm.weight_ih_l0"]
+    saved = opt.state_dict()
+    _, resumed, _, _ = word_model_and_batches(capacity)
+    resumed.load_state_dict(saved)
+    assert resumed.local_momentum.masked == expected
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
@@ -246,7 +328,8 @@ def test_warmup_sends_more_then_the_target(hvd, schedule):
 
 
 @pytest.mark.parametrize("build,on,masking", [
-    (dict(compressor="dgc", density=0.05), True, False),  # SGD with momentum, sparse: on, no masking
+    (dict(compressor="dgc", density=0.05), True, "auto"),  # SGD with momentum, sparse: on, masking by tensor
+    (dict(compressor="dgc", density=0.05, momentum_masking="auto"), True, "auto"),
     (dict(compressor="dgc", density=0.05, momentum_correction=True), True, True),  # DGC's masking
     (dict(compressor="dgc", density=0.05, momentum_correction=True, momentum_masking=False), True, False),
     (dict(compressor="dgc", density=0.05, momentum_masking=True), True, True),
@@ -263,7 +346,7 @@ def test_momentum_correction_auto_is_on_for_sgd_with_momentum_and_sparse_gradien
     assert opt.momentum_correction is on
     momentum = opt.local_momentum
     if on:
-        assert momentum.masking is masking
+        assert momentum.masking == masking and type(momentum.masking) is type(masking)
     elif "error_feedback" not in build:
         assert momentum is None
 
@@ -277,6 +360,10 @@ def test_momentum_correction_auto_leaves_other_optimizers_alone_and_rejects_bad_
     with pytest.raises(ValueError, match=r"momentum_correction must be True, False or 'auto', got 'on'"):
         saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), momentum_correction="on")
+    with pytest.raises(ValueError, match=r"momentum_masking must be True, False, 'auto' or None \(the default\), "
+                                         r"got 'sometimes'"):
+        saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=model.named_parameters(), momentum_masking="sometimes")
 
 
 def clipped_steps(pairs, steps, max_norm=0.05, start=0):
