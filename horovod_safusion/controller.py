@@ -38,9 +38,9 @@ Four rules keep error feedback exact in real training loops (the stages' docstri
 DGC's accuracy techniques (:mod:`~horovod_safusion.momentum`, :mod:`~horovod_safusion.warmup`) act
 on what enters the residual: local clipping, then momentum correction (the residual accumulates
 momentum ``u``, so the invariant reads ``residual_after + sent == residual_before + u``; masking
-clears ``u`` where a sparse step sent; with EF21-SGDM the residual accumulates ``u``'s increment
-instead, and nothing is masked), and a warm-up that sets the density of each step — a step at
-density 1 is sent dense.
+clears ``u`` where a sparse step sent, in every tensor or, by default, in those whose gradient is
+spread; with EF21-SGDM the residual accumulates ``u``'s increment instead, and nothing is masked),
+and a warm-up that sets the density of each step — a step at density 1 is sent dense.
 """
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ nearly all of it, and masking leaves them moving without momentum. So each tenso
 not by its first gradient (:func:`concentration`: how much more of its squared norm its largest
 :data:`CONCENTRATION_SHARE` of elements hold than they would of equal magnitudes): masked where
 that is below :data:`CONCENTRATED`, a spread gradient (a convolution's, a dense layer's, a bias
-of one element), and not where it concentrates. The rule is the plugin's own, chosen by
+of one element), and not where it concentrates. Each rank decides by its own gradient; ``u`` is
+local, so ranks that decided a tensor differently still apply the same aggregate. The rule is the plugin's own, chosen by
 measurement (docs/benchmarks.md, "Masking by tensor"); DGC names the staleness it answers, not
 the rule.
 """
@@ -93,6 +94,9 @@ EF21_SGDM = ('error_feedback="ef21-sgdm"', "EF21-SGDM, Algorithm 1", 'error_feed
 #: ("Masking by tensor").
 CONCENTRATION_SHARE = 0.01
 CONCENTRATED = 0.5
+#: The most elements :func:`concentration` reads of a tensor: a larger one is read every
+#: ``stride``-th element, so that the measure's temporaries do not grow with the model.
+CONCENTRATION_SAMPLE = 1 << 16
 
 
 def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, str, str] = MOMENTUM_CORRECTION,
@@ -187,8 +191,10 @@ def concentration(g: torch.Tensor, share: float = CONCENTRATION_SHARE) -> float 
     than they would of a gradient of equal magnitudes: ``(held − k/n) / (1 − k/n)`` for the
     largest ``k`` of ``n`` elements, 0 for equal magnitudes (and a single element), 1 for one
     non-zero element. ``None`` where the squared norm is zero (or underflows) or not finite: nothing
-    to decide by yet."""
-    energy = g.detach().reshape(-1).float().square()
+    to decide by yet. A tensor of more than :data:`CONCENTRATION_SAMPLE` elements is measured on
+    every ``stride``-th element, at most that many (a view)."""
+    flat = g.detach().reshape(-1)
+    energy = flat[::-(-flat.numel() // CONCENTRATION_SAMPLE)].float().square()
     n = energy.numel()
     k = max(1, math.ceil(share * n))
     held = float(energy.topk(k).values.sum() / energy.sum())  # one read, at a tensor's first gradient

@@ -3,7 +3,7 @@
 SAFusion §3.1 Step 3: the communicator decodes a buffer's aggregate straight into where its
 parameters' gradients go (``p.grad`` itself where it is dense and contiguous). What the protocol
 did not deliver goes back into the residuals, momentum masking clears ``u`` where the step sent
-(DGC §3.2), residuals set aside for a parameter without gradient go back, and a buffer of small
+(DGC §3.3; by default only in the tensors whose gradient is spread), residuals set aside for a parameter without gradient go back, and a buffer of small
 tensors, reduced packed in its flat tensor, is unpacked. A parameter whose ``.grad`` is sparse or
 strided, or that got no gradient here, received its aggregate in a stand-in (:class:`WriteBack`),
 written into ``p.grad`` at the end — for one without gradient only if some rank had one.

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import NaivePlanner
-from horovod_safusion.momentum import CONCENTRATED, concentration
+from horovod_safusion.momentum import CONCENTRATED, CONCENTRATION_SAMPLE, concentration
 from horovod_safusion.warmup import STAGES, DensityWarmup
 from corpus import stdlib_corpus
 from digits import DigitsCNN, load_digits_split
@@ -96,6 +96,20 @@ def test_concentration_is_0_for_equal_magnitudes_1_for_one_element_and_free_of_s
     one[len(values) // 2] = -5.0
     assert concentration(one) == (0.0 if one.numel() == 1 else 1.0)
     assert concentration(torch.full_like(g, float("nan"))) is None
+
+
+def test_concentration_of_a_large_tensor_is_read_on_a_sample_that_keeps_the_decision():
+    """A tensor larger than the sample: a Gaussian stays spread (its largest 1 % hold about 8 %
+    of the squared norm), and one whose squared norm sits in 1 % of its elements, scattered as a
+    batch's rows of an embedding are, stays concentrated."""
+    n = 7 * CONCENTRATION_SAMPLE + 5
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(n, generator=gen)
+    assert concentration(spread) < 0.1
+    rows = torch.randperm(n // 100, generator=gen)[: n // 10_000]  # 1 % of 100-element rows
+    concentrated = torch.randn(n, generator=gen) * 1e-3
+    concentrated.view(-1)[: n // 100 * 100].view(-1, 100)[rows] += 1.0
+    assert concentration(concentrated) > CONCENTRATED
 
 
 def word_model_and_batches(capacity: int):
