@@ -46,8 +46,8 @@ AUTO = "auto"
 CANDIDATES = (0.03, 0.1)
 #: The density of ``density=None`` (every sparsifier's default): the lowest candidate of
 #: ``"auto"``, for the same reason. SAFusion (§5) and DGC evaluate 0.01 and 0.001, with all of
-#: DGC's techniques at 0.001; under this plugin's defaults (momentum correction without masking,
-#: no warm-up) 0.01 learns too slowly per step beyond two workers for its smaller messages to pay:
+#: DGC's techniques at 0.001; under this plugin's defaults (momentum correction, no warm-up) 0.01
+#: learns too slowly per step beyond two workers for its smaller messages to pay:
 #: the language model stays far above dense's perplexity at 4 and 8 workers where 0.03 ends near
 #: it (docs/benchmarks.md, "The default density").
 DEFAULT = min(CANDIDATES)
