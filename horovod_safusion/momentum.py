@@ -66,9 +66,9 @@ not by its first gradient (:func:`concentration`: how much more of its squared n
 :data:`CONCENTRATION_SHARE` of elements hold than they would of equal magnitudes): masked where
 that is below :data:`CONCENTRATED`, a spread gradient (a convolution's, a dense layer's, a bias
 of one element), and not where it concentrates. Each rank decides by its own gradient; ``u`` is
-local, so ranks that decided a tensor differently still apply the same aggregate. The rule is the plugin's own, chosen by
-measurement (docs/benchmarks.md, "Masking by tensor"); DGC names the staleness it answers, not
-the rule.
+local, so ranks that decided a tensor differently still apply the same aggregate. The rule is
+the plugin's own, chosen by measurement (docs/benchmarks.md, "Masking by tensor"); DGC names the
+staleness it answers, not the rule.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from .density import AUTO
 from .residual import ResidualStore, holds
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped step runs without
@@ -292,7 +293,7 @@ class MomentumCorrection:
         p = buf.params[slot]
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
-        if self.masking == "auto" and buf.names[slot] not in self.masked:
+        if self.masking == AUTO and buf.names[slot] not in self.masked:
             self._decide(buf.names[slot], g)
         d = g if wd == 0 or not self.decay else torch.add(g, p.detach().reshape(-1), alpha=wd)
         if self.increments:
@@ -341,16 +342,16 @@ class MomentumCorrection:
     def _decide(self, name: str, g: torch.Tensor) -> None:
         """Mask parameter ``name`` where its gradient ``g`` is spread (``masking="auto"``); where
         ``g``'s norm is zero or not finite, decide at a later gradient."""
-        held = concentration(g)
-        if held is not None:
-            self.masked[name] = held < CONCENTRATED
+        measured = concentration(g)
+        if measured is not None:
+            self.masked[name] = measured < CONCENTRATED
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent, in
         every tensor or, under ``masking="auto"``, in the buffer's masked tensors."""
         if not self.masking or buf.momentum is None:
             return
-        if self.masking == "auto":
+        if self.masking == AUTO:
             masked = [self.masked.get(name, False) for name in buf.names]
             if not any(masked):
                 return
