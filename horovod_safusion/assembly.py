@@ -20,7 +20,7 @@ from horovod.torch.mpi_ops import rocm_built
 from .communicators import Communicator, make_communicators
 from .compressors import Compressor, make_compressor
 from .controller import Controller
-from .density import CANDIDATES, check_auto, is_auto
+from .density import CANDIDATES, SPREAD, check_auto, is_auto
 from .fusion import GroupsPlanner, Planner, make_planner
 from .fusion.safusion import check_dense_choice
 from .momentum import (EF21_SGDM, MOMENTUM_CORRECTION, LocalClipping, MomentumCorrection, check_momentum_groups,
@@ -29,6 +29,7 @@ from .options import AUTO, Options
 from .plan import TensorInfo
 from .profiling import OnlineProfiler
 from .regime import DEFAULT_INTERVAL, CriticalRegimes
+from .spread import Spread
 from .stages.loss_scale import scaler_scale
 from .warmup import DensityWarmup
 
@@ -67,6 +68,8 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
     masking = options.momentum_masking
     if masking is None:  # DGC's masking everywhere where asked for; by tensor where "auto" chose the correction
         masking = True if options.momentum_correction is True else AUTO
+    floor = spread_floor(options, comp)
+    spread = Spread(n for n, _ in named) if floor is not None or (correction and masking == AUTO) else None
     densities = density_candidates(planner, comp, options.density)
     comms = make_communicators(options.communicator, comp.dense, opt.process_set, opt._compression,
                                sends_dense=options.dense is True)
@@ -78,14 +81,26 @@ def assemble(opt: torch.optim.Optimizer, options: Options, groups: Any,
     controller = Controller(
         named, profiler.initial_plan(), comp, comms, opt.op, prescale, postscale, opt.sparse_as_dense,
         loss_scale=scaler_scale(options.grad_scaler),
-        momentum=MomentumCorrection(opt.param_groups, masking, dict(named), increments=options.ef21)
+        momentum=MomentumCorrection(opt.param_groups, masking, dict(named), increments=options.ef21, spread=spread)
         if correction or options.ef21 else None,
         clipping=None if options.local_clipping is None else LocalClipping(options.local_clipping,
                                                                            opt.process_set.size()),
         warmup=warmup if warmup.steps else None, min_selected=options.min_selected,
         dense_share=options.dense_share, densities=densities,
-        regimes=critical_regimes(options.critical_regimes, planner, comp))
+        regimes=critical_regimes(options.critical_regimes, planner, comp), spread=spread, spread_floor=floor)
     return Parts(planner, comp, comms, profiler, controller, correction)
+
+
+def spread_floor(options: Options, comp: Compressor) -> float | None:
+    """The least density of a tensor whose gradient is spread (``spread_density``): as given, or
+    :data:`~horovod_safusion.density.SPREAD` where the density is left to its default or
+    ``"auto"`` (not given by ``density=`` or a compressor instance); none for a dense compressor."""
+    if comp.dense:
+        return None
+    if options.spread_density is not None:
+        return float(options.spread_density)
+    given = isinstance(options.compressor, Compressor) or (options.density is not None and not is_auto(options.density))
+    return None if given else SPREAD
 
 
 def check_horovod_arguments(backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,

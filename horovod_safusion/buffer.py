@@ -16,8 +16,9 @@ and a checkpoint see per-parameter tensors; :func:`gather` moves them into the p
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,8 @@ class FusionBuffer:
     Attributes:
         segments: one segment per tensor, in the plan's order.
         selection: the segments one selection runs over: :attr:`segments` (``ahead``) or one
-            segment for the whole buffer (``behind``).
+            segment for the whole buffer (``behind``), with the least density of each
+            (:meth:`set_floors`).
         flat: ``gradient + residual`` while a sparse step fills it, the residuals between steps;
             ``None`` until the first sparse step, and after a dense one.
         momentum: DGC's momentum ``u`` in the same layout, when momentum correction is on.
@@ -66,6 +68,19 @@ class FusionBuffer:
         self.flat: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
         self.siblings = [weakref.ref(self)]  # the plan's buffers allocated together (link())
+
+    def set_floors(self, floors: Mapping[str, float], density: float) -> None:
+        """Select each tensor named in ``floors`` at no less than its floor (a spread gradient's,
+        :mod:`~horovod_safusion.spread`) from now on. A buffer selected whole (``behind``) selects
+        as many as its tensors would at the job's ``density``: its floor is their mean density."""
+        per = tuple(float(floors.get(n, 0.0)) for n in self.names)
+        whole = self.selection is not self.segments
+        self.segments = dataclasses.replace(self.segments, floors=per if any(per) else ())
+        if not whole:
+            self.selection = self.segments
+            return
+        mean = float(np.dot(self.segments.size_array, np.maximum(density, per))) / max(1, self.numel)
+        self.selection = dataclasses.replace(self.selection, floors=(mean,) if mean > density else ())
 
     def segment(self, slot: int) -> slice:
         off = self.segments.offsets[slot]

@@ -40,7 +40,10 @@ on what enters the residual: local clipping, then momentum correction (the resid
 momentum ``u``, so the invariant reads ``residual_after + sent == residual_before + u``; masking
 clears ``u`` where a sparse step sent, in every tensor or, by default, in those whose gradient is
 spread; with EF21-SGDM the residual accumulates ``u``'s increment instead, and nothing is masked),
-and a warm-up that sets the density of each step — a step at density 1 is sent dense.
+and a warm-up that sets the density of each step — a step at density 1 is sent dense. Which
+gradients are spread every rank agrees on by the step's flags (:mod:`~horovod_safusion.spread`);
+by default a spread tensor selects at no less than a floor from the step after (its buffer's
+selection segments carry the floors).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from .observer import (COMPRESS, DECOMPRESS, GRADIENT_READY, MEMCPY_IN, MEMCPY_O
 from .plan import FusionPlan, check_plan_across_ranks, send_small_dense
 from .regime import CriticalRegimes
 from .residual import ResidualStore
+from .spread import Spread
 from .stages import half
 from .stages.collect import StepStats, Tally, WriteBack, keep_leftover, unpack
 from .stages.fill import Filler
@@ -100,6 +104,9 @@ class Controller:
         dense_share: so do the smallest tensors that together hold at most this share of the
             model's elements (where ``min_selected`` is above 0).
         regimes: Accordion's critical regimes: the steps of a critical interval are sent dense.
+        spread: the votes and decisions on which gradients are spread, where masking by tensor or
+            ``spread_floor`` follows them (``None``: nothing measured).
+        spread_floor: the least density of a tensor decided spread (``None``: none).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], plan: FusionPlan,
@@ -108,7 +115,8 @@ class Controller:
                  loss_scale: Callable[[], torch.Tensor | None] | None = None,
                  momentum: MomentumCorrection | None = None, clipping: LocalClipping | None = None,
                  warmup: DensityWarmup | None = None, min_selected: int = 0, dense_share: float = 0.0,
-                 densities: Sequence[float] = (), regimes: CriticalRegimes | None = None) -> None:
+                 densities: Sequence[float] = (), regimes: CriticalRegimes | None = None,
+                 spread: Spread | None = None, spread_floor: float | None = None) -> None:
         self.params = dict(named_params)
         self.compressor = compressor
         self.communicators = communicator if isinstance(communicator, dict) else {communicator.name: communicator}
@@ -119,12 +127,14 @@ class Controller:
         self.min_selected, self.dense_share = min_selected, dense_share
         self.densities = tuple(densities)  # the candidates of density="auto", else none
         self.loss_scale = LossScale(loss_scale)
-        self.filler = Filler(self.residuals, momentum, clipping, sparse_as_dense)
+        self.spread, self.spread_floor = spread, spread_floor
+        self.filler = Filler(self.residuals, momentum, clipping, sparse_as_dense, spread)
         self.sender = Sender(communicator, self.reduction)
         self.write_back = WriteBack()
         self.flags = StepFlags(list(self.params), communicator.process_set)
         self.mode: StepMode | None = None  # the step in flight's (the last step's between steps)
         self._step_open = False
+        self._voted = False  # the step's flags carry votes not yet taken (synchronize)
         self.steps = 0
         self.last_stats = StepStats()
         self._observers: list[Observer] = []
@@ -155,8 +165,35 @@ class Controller:
         self._selections: list[Selection] = [selection_for(b, self.compressor, self.communicator.compression)
                                              for b in self.buffers]
         self._slot = {id(self.params[n]): (b, slot) for b in self.buffers for slot, n in enumerate(b.names)}
+        self._set_floors()
         self._clear_records()
         self.gather()
+
+    def _set_floors(self) -> None:
+        """Select every tensor decided spread at no less than :attr:`spread_floor`, from the next
+        selection on (the buffers' selection segments carry the floors)."""
+        if self.spread is None:
+            return
+        floors = self.spread.floors(self.spread_floor)
+        for buf in self.buffers:
+            if not buf.dense:
+                buf.set_floors(floors, self.target_density)
+        self.spread.changed = False
+
+    def _announce_floors(self) -> None:
+        """Rank 0 says how many tensors select at the floor, once every tensor is decided."""
+        floors = self.floors()
+        if not floors:
+            return
+        total = sum(p.numel() for p in self.params.values())
+        share = sum(self.params[n].numel() for n in floors) / max(1, total)
+        announce(f"{len(floors)} of {len(self.params)} tensors ({share:.0%} of the elements) have spread gradients: "
+                 f"they select at density {self.spread_floor:g} or more (spread_density), the others at "
+                 f"density={self.asked_density!r}")
+
+    def floors(self) -> dict[str, float]:
+        """The least density of each tensor decided spread (empty where there is no floor)."""
+        return self.spread.floors(self.spread_floor) if self.spread is not None else {}
 
     def _clear_records(self) -> None:
         """Forget the step's records: per buffer its fill, and its collective once started."""
@@ -221,17 +258,17 @@ class Controller:
         local momentum."""
         return {"steps": self.steps, "loss_scale": self.loss_scale.residuals,
                 "local_momentum": self.momentum is not None,
+                "spread": dict(self.spread.decided) if self.spread is not None else {},
                 "compressor": type(self.compressor).__name__, "density": self.asked_density,
                 "communicator": type(self.communicator).__name__, "plan": self.plan.to_json(),
                 "regimes": self.regimes.state_dict() if self.regimes is not None else None}
 
     def rank_state(self) -> dict:
-        """This rank's own part: its residuals and momenta (with which tensors masking clears), its
-        compressor's and communicator's state."""
+        """This rank's own part: its residuals and momenta, its compressor's and communicator's
+        state."""
         return {"residuals": self.residuals.state_dict(), "compressor": self.compressor.state_dict(),
                 "communicator": self.communicator.state_dict(),
-                "momenta": self.momentum.state_dict() if self.momentum is not None else {},
-                "masked": dict(self.momentum.masked) if self.momentum is not None else {}}
+                "momenta": self.momentum.state_dict() if self.momentum is not None else {}}
 
     def load_state_dict(self, state: dict, ranks: dict[int, dict], world_size: int, all_ranks: bool) -> bool:
         """Load :meth:`state_dict` with the :meth:`rank_state` of the ``ranks`` saved (a job of
@@ -255,7 +292,8 @@ class Controller:
             self.loss_scale.residuals = state["loss_scale"]
             if self.momentum is not None and source.get("momenta"):  # local state: the rank taken over's
                 self.momentum.load_state_dict(source["momenta"], {n: p.numel() for n, p in self.params.items()})
-                self.momentum.masked.update(source.get("masked", {}))
+        if self.spread is not None:  # agreed, the same on every rank
+            self.spread.load(state.get("spread", {}))
         plan = FusionPlan.from_json(state["plan"])
         if plan.communicator is not None and plan.communicator not in self.communicators:
             warnings.warn(f"the checkpoint's fusion plan sends over communicator {plan.communicator!r}, which this "
@@ -274,6 +312,7 @@ class Controller:
         if takes_plan:
             self.set_plan(plan)
             return True
+        self._set_floors()
         self.gather()
         return False
 
@@ -313,6 +352,8 @@ class Controller:
         collective (:meth:`switch_plan`): every rank adds the same parameters between steps."""
         self.params.update(named_params)
         self.flags = StepFlags(list(self.params), self.communicator.process_set)
+        if self.spread is not None:
+            self.spread.add(n for n, _ in named_params)
         if self.momentum is not None:
             self.momentum.add(named_params)
         kinds: dict[tuple, list[str]] = {}
@@ -461,11 +502,17 @@ class Controller:
                         filling = self._fill(buf, slot, buf.params[slot] in arrived)
                 self._launch(buf, filling)
         flights = self._flight
-        self.flags.start(any(f.poisoned for f in flights), joining)
+        votes = self.spread.votes if self.spread is not None and self.spread.voting else None
+        self.flags.start(any(f.poisoned for f in flights), joining, votes)
+        self._voted = votes is not None
         tally = Tally(len(self.buffers))
         for buf, flight in zip(self.buffers, flights):
             self._collect(buf, flight)
             tally.count(buf, flight)
+        if self.spread is not None and self.spread.changed:
+            self._set_floors()
+            if not self.spread.voting:
+                self._announce_floors()
         self._clear_records()
         self.write_back.finish(self.flags.arrived_anywhere)
         if self.regimes is not None and not self.flags.poisoned:
@@ -497,6 +544,9 @@ class Controller:
         pending = flight.pending
         pending.collect()  # waiting: communication
         poisoned = self.flags.poisoned  # submitted last: waits for the others too
+        if self._voted:  # decided before the first masking
+            self.spread.agree(self.flags.votes())
+            self._voted = False
         t = obs.span(WAIT, t, buffer=buf.index) if obs else None
         pending.wait()  # decoding into the gradients: computation after communication
         if flight.half and not half.deliver(buf, flight, self.residuals):

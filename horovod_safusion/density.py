@@ -53,6 +53,14 @@ CANDIDATES = (0.03, 0.1)
 DEFAULT = min(CANDIDATES)
 #: A denser option is preferred while its iteration time is within this fraction of the fastest's.
 MARGIN = 0.2
+#: The least density of a tensor whose gradient is spread, where ``density`` is left to its default
+#: or ``"auto"`` (``spread_density``, :mod:`horovod_safusion.spread`): the densest candidate. Such a
+#: gradient's largest 3 % hold a small part of it, so at the default density most of it waits;
+#: sent at this density, the convolutional model ``bench_convergence`` trains keeps Horovod's
+#: accuracy where the default density does not, while the language model's embedding and decoder,
+#: whose gradients concentrate, keep the default's smaller messages (docs/benchmarks.md, "Density
+#: by tensor").
+SPREAD = max(CANDIDATES)
 
 
 def is_auto(density: object) -> bool:

@@ -44,8 +44,8 @@ class Membership:
 
     def sync(self, opt: Any) -> None:
         """After a reset (and when training starts), on every worker: drop the step that failed,
-        take rank 0's fusion plan, profiler state, step count, communicator state and critical
-        regimes (a joining worker has none), and profile again if the world size changed. Residuals stay with the
+        take rank 0's fusion plan, profiler state, step count, communicator state, critical
+        regimes and which gradients are spread (a joining worker has none), and profile again if the world size changed. Residuals stay with the
         worker that holds them, so none is duplicated; those of a worker that died are lost with
         it, as its gradient of the failed step."""
         ctl, profiler, ps = opt._controller, opt._profiler, opt.process_set
@@ -54,7 +54,9 @@ class Membership:
                                       "world_size": self.world_size, "session": session.number(),
                                       "communicators": {name: c.state_dict() for name, c in ctl.communicators.items()},
                                       # critical intervals and their wire: a new worker's own would send other dtypes
-                                      "regimes": ctl.regimes.state_dict() if ctl.regimes is not None else None},
+                                      "regimes": ctl.regimes.state_dict() if ctl.regimes is not None else None,
+                                      # which gradients are spread: a new worker's votes would make its flags longer
+                                      "spread": ctl.spread.decided if ctl.spread is not None else None},
                                      root_rank=0, name="saf.elastic.sync", process_set=ps)
         session.begin(rank0["session"])  # collectives of the failed session may linger in Horovod's queue
         for name, comm in ctl.communicators.items():  # the same on every rank: setup() may run collectives
@@ -63,6 +65,8 @@ class Membership:
         profiler.load_state_dict(rank0["profiler"])
         if ctl.regimes is not None and rank0["regimes"] is not None:
             ctl.regimes.load_state_dict(rank0["regimes"])
+        if ctl.spread is not None and rank0["spread"] is not None:
+            ctl.spread.load(rank0["spread"])
         ctl.steps = rank0["steps"]
         ctl.switch_plan(FusionPlan.from_json(rank0["plan"]))
         if rank0["world_size"] != ps.size():

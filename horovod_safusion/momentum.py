@@ -61,14 +61,9 @@ correction on). DGC masks every tensor (§3.3). Masking helps where an element i
 waited: ``u`` then holds a push that the sent residual has already delivered, and kept, it would
 push again. It hurts where the same elements are sent at almost every step, as in an embedding's
 rows of frequent tokens or a vocabulary decoder: there the top elements of each gradient hold
-nearly all of it, and masking leaves them moving without momentum. So each tensor is masked or
-not by its first gradient (:func:`concentration`: how much more of its squared norm its largest
-:data:`CONCENTRATION_SHARE` of elements hold than they would of equal magnitudes): masked where
-that is below :data:`CONCENTRATED`, a spread gradient (a convolution's, a dense layer's, a bias
-of one element), and not where it concentrates. Each rank decides by its own gradient; ``u`` is
-local, so ranks that decided a tensor differently still apply the same aggregate. The rule is
-the plugin's own, chosen by measurement (docs/benchmarks.md, "Masking by tensor"); DGC names the
-staleness it answers, not the rule.
+nearly all of it, and masking leaves them moving without momentum. So a tensor is masked where
+its gradient is spread and not where it concentrates, as every rank agreed by the tensor's first
+gradient (:mod:`horovod_safusion.spread`).
 """
 from __future__ import annotations
 
@@ -80,6 +75,7 @@ import torch
 
 from .density import AUTO
 from .residual import ResidualStore, holds
+from .spread import Spread
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped step runs without
 
@@ -87,17 +83,6 @@ MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")  # what the wrapped ste
 #: way out.
 MOMENTUM_CORRECTION = ("momentum_correction=True", "DGC §3.2", "momentum_correction=False")
 EF21_SGDM = ('error_feedback="ef21-sgdm"', "EF21-SGDM, Algorithm 1", 'error_feedback="classic"')
-
-#: ``momentum_masking="auto"``: the share of a gradient's elements, its largest, whose share of the
-#: squared norm decides whether the tensor is masked (:func:`concentration`), and the concentration
-#: at or above which the tensor keeps its momentum. A Gaussian's largest 1 % hold 8 % of its squared
-#: norm (a concentration of 0.07); what the benchmarks' tensors measure is in docs/benchmarks.md
-#: ("Masking by tensor").
-CONCENTRATION_SHARE = 0.01
-CONCENTRATED = 0.5
-#: The most elements :func:`concentration` reads of a tensor: a larger one is read every
-#: ``stride``-th element, so that the measure's temporaries do not grow with the model.
-CONCENTRATION_SAMPLE = 1 << 16
 
 
 def check_momentum_groups(optimizer: torch.optim.Optimizer, option: tuple[str, str, str] = MOMENTUM_CORRECTION,
@@ -187,23 +172,6 @@ def first_gradient_scale(groups: Sequence[dict], back: bool = False) -> None:
                     p.grad.mul_(factor) if back else p.grad.div_(factor)
 
 
-def concentration(g: torch.Tensor, share: float = CONCENTRATION_SHARE) -> float | None:
-    """How much more of ``g``'s squared norm its largest ``share`` of elements (at least one) hold
-    than they would of a gradient of equal magnitudes: ``(held − k/n) / (1 − k/n)`` for the
-    largest ``k`` of ``n`` elements, 0 for equal magnitudes (and a single element), 1 for one
-    non-zero element. ``None`` where the squared norm is zero (or underflows) or not finite: nothing
-    to decide by yet. A tensor of more than :data:`CONCENTRATION_SAMPLE` elements is measured on
-    every ``stride``-th element, at most that many (a view)."""
-    flat = g.detach().reshape(-1)
-    energy = flat[::-(-flat.numel() // CONCENTRATION_SAMPLE)].float().square()
-    n = energy.numel()
-    k = max(1, math.ceil(share * n))
-    held = float(energy.topk(k).values.sum() / energy.sum())  # one read, at a tensor's first gradient
-    if not math.isfinite(held):  # 0/0 where the norm is zero
-        return None
-    return 0.0 if k == n else (held - k / n) / (1 - k / n)
-
-
 class GradientWatch:
     """Whether the script changed the aggregated gradients between ``synchronize()`` and
     ``step()``: Horovod's recipe for a clip (``clip_grad_norm_`` scales every gradient in place,
@@ -234,26 +202,26 @@ class MomentumCorrection:
             (:attr:`masked`), ``False`` nowhere.
         params: the trainable parameters by name.
         increments: EF21-SGDM: the residual gains ``u``'s increment, not ``u`` (and no masking).
+        spread: the decisions of which gradients are spread (the controller's), which
+            ``masking="auto"`` follows.
 
     Attributes:
         momenta: the per-parameter ``u``, views of the buffers' momentum planes.
-        masked: under ``masking="auto"``, whether each parameter is masked, decided by its first
-            gradient with a finite, non-zero norm (:func:`concentration`); part of the rank's
-            state, so that a resumed job masks as the saved one did.
         decay: whether ``u`` takes the weight decay; off for the first step of
             ``momentum_correction="auto"``, whose weight decay the SGD applies
             (:meth:`add_weight_decay`).
     """
 
     def __init__(self, groups: Sequence[dict], masking: bool | str = True,
-                 params: dict[str, torch.Tensor] | None = None, increments: bool = False) -> None:
+                 params: dict[str, torch.Tensor] | None = None, increments: bool = False,
+                 spread: Spread | None = None) -> None:
         self._groups = groups
         self._group = {id(p): g for g in groups for p in g["params"]}
         self.increments = increments
         self.masking = False if increments else masking
         self.params = dict(params or {})
         self.momenta = ResidualStore()
-        self.masked: dict[str, bool] = {}
+        self.spread = spread
         self.decay = True
 
     def add(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -293,8 +261,6 @@ class MomentumCorrection:
         p = buf.params[slot]
         m, wd, nesterov = self.factors(p)
         u = self.of(buf, slot)
-        if self.masking == AUTO and buf.names[slot] not in self.masked:
-            self._decide(buf.names[slot], g)
         d = g if wd == 0 or not self.decay else torch.add(g, p.detach().reshape(-1), alpha=wd)
         if self.increments:
             return self._increment(u, d, m, rescale, on_host)
@@ -339,12 +305,11 @@ class MomentumCorrection:
                 u.add_(p.detach().reshape(-1), alpha=wd)
         self.decay = True
 
-    def _decide(self, name: str, g: torch.Tensor) -> None:
-        """Mask parameter ``name`` where its gradient ``g`` is spread (``masking="auto"``); where
-        ``g``'s norm is zero or not finite, decide at a later gradient."""
-        measured = concentration(g)
-        if measured is not None:
-            self.masked[name] = measured < CONCENTRATED
+    @property
+    def masked(self) -> dict[str, bool]:
+        """Under ``masking="auto"``, whether each parameter decided so far is masked (its gradient
+        is spread); empty otherwise."""
+        return dict(self.spread.decided) if self.masking == AUTO and self.spread is not None else {}
 
     def mask(self, buf, indices: torch.Tensor) -> None:
         """Momentum factor masking: clear ``u`` where ``indices`` (buffer-relative) were sent, in
@@ -352,7 +317,7 @@ class MomentumCorrection:
         if not self.masking or buf.momentum is None:
             return
         if self.masking == AUTO:
-            masked = [self.masked.get(name, False) for name in buf.names]
+            masked = [self.spread.decided.get(name, False) for name in buf.names]
             if not any(masked):
                 return
             if not all(masked):  # the sent elements of the masked tensors: each index's tensor

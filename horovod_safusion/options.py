@@ -34,8 +34,9 @@ class Options:
         ``horovod_safusion.available_compressors()``) or a ``Compressor`` instance; default
         ``"dgc"``, or ``"none"`` for the dense scheme ``fusion="horovod"``.""")
     density: Any = _option(None, """
-        fraction of each tensor's elements sent per step, ``0 < density <= 1`` (default 0.03).
-        Lower saves traffic; too low slows convergence. ``"auto"`` (with ``fusion="safusion"``): the
+        fraction of each tensor's elements sent per step, ``0 < density <= 1`` (default 0.03; a
+        tensor whose gradient is spread sends at least ``spread_density``). Lower saves traffic;
+        too low slows convergence. ``"auto"`` (with ``fusion="safusion"``): the
         densest of 0.03, 0.1 and dense whose iteration time, predicted from the profile and
         confirmed by a measured trial, is within 20 % of the fastest — the most the link hides
         behind back-propagation; lower densities learn too slowly per step to pay (0.03 until the
@@ -96,10 +97,20 @@ class Options:
         tensors whose gradient is spread (a convolution's, a dense layer's), not in those whose
         gradient concentrates in a few elements (an embedding's, a vocabulary decoder's), which are
         sent at almost every step and would then move without momentum; each tensor is decided by
-        its first gradient (:mod:`horovod_safusion.momentum`). ``False``: nowhere. Default
-        (``None``): ``True`` with ``momentum_correction=True``, ``"auto"`` where
+        its first gradient, alike on every rank (:mod:`horovod_safusion.spread`). ``False``:
+        nowhere. Default (``None``): ``True`` with ``momentum_correction=True``, ``"auto"`` where
         ``momentum_correction="auto"`` turned the correction on (docs/benchmarks.md, "Masking by
         tensor", has the runs).""")
+    spread_density: Any = _option(None, """
+        the least density of a tensor whose gradient is spread over its elements (a convolution's,
+        a dense layer's), as every rank agrees by the tensor's first gradient
+        (:mod:`horovod_safusion.spread`); a tensor whose gradient concentrates in a few elements (an
+        embedding's, a vocabulary decoder's) selects at ``density``. The largest few percent of a
+        spread gradient hold a small part of it, so at a low density most of it waits in the
+        residual. A number ``0 < spread_density <= 1``. Default (``None``): 0.1 where ``density`` is
+        left to its default or ``"auto"``; none where ``density`` (or a compressor instance's) is
+        given, so that a given density is every tensor's (docs/benchmarks.md, "Density by tensor",
+        has the runs).""")
     local_clipping: Any = _option(None, """
         DGC's local gradient clipping: the global ``max_norm`` you would clip to; each worker clips
         each tensor's gradient to ``max_norm / sqrt(workers)`` before error feedback. Default
@@ -156,6 +167,10 @@ class Options:
         mm = self.momentum_masking
         if not (mm is None or mm is True or mm is False or mm == AUTO):
             raise ValueError(f"momentum_masking must be True, False, {AUTO!r} or None (the default), got {mm!r}")
+        sd = self.spread_density
+        if sd is not None and (isinstance(sd, bool) or not isinstance(sd, (int, float)) or not 0 < sd <= 1):
+            raise ValueError(f"spread_density must be a number with 0 < spread_density <= 1, or None (the "
+                             f"default), got {sd!r}")
         if self.ef21 and mc is True:
             raise ValueError('error_feedback="ef21-sgdm" keeps the momentum itself; it cannot be combined '
                              "with momentum_correction=True: pass one of them")
@@ -190,7 +205,8 @@ def signature(factory: Callable) -> inspect.Signature:
              "fusion": "str | Planner | None", "communicator": "str | Communicator",
              "replan_every": "int | None", "timeline": "str | TimelineRecorder | None",
              "dense": "bool | str | None", "momentum_correction": "bool | str",
-             "momentum_masking": "bool | str | None", "local_clipping": "float | None",
+             "momentum_masking": "bool | str | None", "spread_density": "float | None",
+             "local_clipping": "float | None",
              "critical_regimes": "int | None"}
     horovods = list(inspect.signature(factory).parameters.values())[:-1]
     return inspect.Signature(horovods + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,

@@ -295,10 +295,15 @@ class OnlineProfiler:
         chooses = linked and self.planner.chooses_communicator and len(controller.communicators) > 1 \
             and not only_dense
         choices = contenders(controller.communicators, process_set.size(), comm.name) if chooses else {comm.name: comm}
-        # the message sizes of the densest candidate: the curves price every candidate's messages
+        # the message sizes of the densest candidate, spread tensors at their floors: the curves
+        # price every candidate's messages
+        floors = controller.floors()
+        densest = max((controller.target_density, *candidates))
+        if floors:
+            total = sum(t.numel for t in tensors)
+            densest = sum(t.numel * max(densest, floors.get(t.name, 0.0)) for t in tensors) / max(1, total)
         swept, pruned = ({}, {}) if only_dense else sweeps.communicator_sweeps(
-            choices, tensors, max((controller.target_density, *candidates)), dtype, device, comm.name,
-            process_set, timed)
+            choices, tensors, densest, dtype, device, comm.name, process_set, timed)
         # the tensors the job sends whole at any density it may select at, which the planner prices
         # as sent: by the dense allreduce, swept up to their bytes where dense plans are not priced
         min_selected = 0 if comp.dense else controller.min_selected
@@ -343,7 +348,7 @@ class OnlineProfiler:
             density=1.0 if comp.dense else comp.density, wire_bytes=wire, dense_comm=comm.dense,
             workers=process_set.size(),
             dense_allreduce=dense_curve,
-            communicators=curves if chooses else {}, densities=densities,
+            communicators=curves if chooses else {}, densities=densities, floors=floors,
             min_selected=min_selected, dense_share=controller.dense_share, prices_dense=priced,
             meta={"compressor": repr(comp), "communicator": comm.name, "iterations": len(s),
                   "profiled_plan": controller.plan.planner, "step": self.steps,

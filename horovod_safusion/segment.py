@@ -24,11 +24,14 @@ class Segments:
             survives a change of plan.
         sizes: element count per segment.
         device: the device of the flat buffer.
+        floors: the least density of each segment, or empty: a segment selects at the larger of
+            the step's density and its floor (a spread gradient's, :mod:`horovod_safusion.spread`).
     """
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    floors: tuple[float, ...] = ()
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -60,15 +63,25 @@ class Segments:
         """Sizes as an int64 NumPy array."""
         return np.asarray(self.sizes, dtype=np.int64)
 
+    def density_array(self, density: float) -> np.ndarray:
+        """The density each segment selects at at the step's ``density``: the larger of it and the
+        segment's floor (float64 NumPy array; read, do not modify)."""
+        cache = self.__dict__.setdefault("_density_array", {})
+        if density not in cache:
+            at = np.full(len(self.sizes), float(density))
+            cache[density] = np.maximum(at, self.floors) if self.floors else at
+        return cache[density]
+
     def k_array(self, density: float) -> np.ndarray:
         """:meth:`k` as an int64 NumPy array (read, do not modify)."""
         cache = self.__dict__.setdefault("_k_array", {})
         if density not in cache:  # np.round, as torch.round, rounds half to even
-            cache[density] = np.maximum(np.round(self.size_array * density), 1).astype(np.int64)
+            cache[density] = np.maximum(np.round(self.size_array * self.density_array(density)), 1).astype(np.int64)
         return cache[density]
 
     def k(self, density: float) -> torch.Tensor:
-        """Target selected count per segment: ``max(1, round(density · size))`` (int64 tensor)."""
+        """Target selected count per segment: ``max(1, round(d · size))`` at the segment's density
+        ``d`` (:meth:`density_array`), as an int64 tensor."""
         return torch.from_numpy(self.k_array(density))
 
     def counts(self, indices: torch.Tensor) -> torch.Tensor:

@@ -140,5 +140,6 @@ class DGC(PeriodicThreshold):
             seg, ms = which[s], m[s]
             idx = sample_positions(self.seed, step, _keys(view.segments.names)[seg], effort[s],
                                    view.segments.offset_array[seg], n[s], ms, view.device)
-            parts.append((s, view.kth_largest_at(idx, ms, np.ceil(view.density * ms).astype(np.int64))))
+            density = view.segments.density_array(view.density)[seg]
+            parts.append((s, view.kth_largest_at(idx, ms, np.ceil(density * ms).astype(np.int64))))
         return view.assemble(len(which), parts)

@@ -34,13 +34,20 @@ from .threshold import ThresholdCompressor, View
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 
-def gaussian_threshold(mean: Array, square: Array, density: float) -> Array:
-    """Per segment, ``|μ| + σ · Φ⁻¹(1 − density / 2)`` from the means of ``x`` and of ``x²``:
-    float64 NumPy arrays on the host path, device tensors on the device path (the operations are
-    the ones both have; ``** 0.5`` is a square root in both). The density is the step's: a
-    density warm-up changes it between steps."""
+def gaussian_threshold(mean: Array, square: Array, score: Array) -> Array:
+    """Per segment, ``|μ| + σ · score`` from the means of ``x`` and of ``x²``: float64 NumPy
+    arrays on the host path, device tensors on the device path (the operations are the ones both
+    have; ``** 0.5`` is a square root in both). ``score`` is :func:`standard_score` of the
+    segment's density."""
     sigma = (square - mean * mean).clip(min=0.0) ** 0.5
-    return abs(mean) + sigma * float(ndtri(1.0 - density / 2.0))
+    return abs(mean) + sigma * score
+
+
+def standard_score(density: np.ndarray) -> np.ndarray:
+    """``Φ⁻¹(1 − density / 2)``: the threshold, in standard deviations, above which a density's
+    share of a normal's magnitudes lies. The densities are the step's, one per segment: a
+    density warm-up changes them between steps, and a spread gradient's floor raises its own."""
+    return ndtri(1.0 - density / 2.0)
 
 
 @register_compressor("gaussiank")
@@ -69,6 +76,7 @@ class GaussianK(ThresholdCompressor):
         every one of ``refine_passes`` passes compares the whole buffer: a device cannot skip the
         segments in band without reading their counts back)."""
         low, high = self.band(view.k)
-        view.apply(gaussian_threshold(*view.moments(), view.density),
+        score = view.array(standard_score(view.segments.density_array(view.density)))
+        view.apply(gaussian_threshold(*view.moments(), score),
                    correction=Steps(low=low, high=high, up=self.step_up, down=self.step_down, passes=self.refine_passes))
         return view.finish()

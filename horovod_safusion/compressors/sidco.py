@@ -128,7 +128,7 @@ class SIDCo(PeriodicThreshold):
         far too few gets fewer stages, and one that then selects too many is trimmed by the
         hierarchical selection."""
         stages = np.maximum(1, self.stages - effort)
-        p = view.array(np.array([view.density ** (1.0 / n) for n in range(1, self.stages + 1)])[stages - 1])
+        p = view.array(view.segments.density_array(view.density)[which] ** (1.0 / stages))
         m, v = view.abs_moments(which)  # stage 1 fits all of |x|
         eta = view.full(len(which), 0.0)
         going = view.array(np.ones(len(which), dtype=bool))

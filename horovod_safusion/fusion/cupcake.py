@@ -82,14 +82,15 @@ class _Timeline:
         numel = np.array([t.numel for t in p.tensors], dtype=np.int64)
         nbytes = np.array([t.nbytes for t in p.tensors], dtype=np.int64)
         wire = np.array([p.wire_bytes.get(t.name, 0) for t in p.tensors], dtype=np.int64)
+        selectable = np.array([p.density_of(t.name) for t in p.tensors]) * numel  # expected, per tensor
         h = np.zeros((n, n))
         g = np.zeros((n, n))
         for k in range(n):
             dense = np.cumsum(nbytes[k:])
             if p.dense_comm:
                 message = dense.astype(np.float64)
-            else:  # Profile.message_bytes: max(1, round(density · Σ numel)) rows of the widest row
-                selected = np.maximum(1, np.rint(p.density * np.cumsum(numel[k:])))
+            else:  # Profile.message_bytes: max(1, round(Σ density · numel)) rows of the widest row
+                selected = np.maximum(1, np.rint(np.cumsum(selectable[k:])))
                 message = selected * np.maximum.accumulate(wire[k:])
             g[k, k:] = p.communicate(message)
             # Profile.t_cp: the buffer's fixed work, plus compression below density 1

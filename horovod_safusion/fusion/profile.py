@@ -61,6 +61,8 @@ class Profile:
         densities: per candidate density (``density="auto"``), the compression curve and the
             per-segment cost swept at that density, as :attr:`compress` and
             :attr:`segment_cost` are at :attr:`density`; empty where the density is given.
+        floors: the least density of each tensor with one (a spread gradient's,
+            :mod:`horovod_safusion.spread`): it selects at the larger of :attr:`density` and that.
         min_selected: the job's ``min_selected`` (0: every tensor sparsified), with
             :attr:`dense_share` the rule of :meth:`small`.
         dense_share: the job's ``dense_share``.
@@ -86,6 +88,7 @@ class Profile:
     dense_allreduce: CostCurve | None = None
     communicators: dict[str, CostCurve] = field(default_factory=dict)
     densities: dict[float, tuple[CostCurve, float]] = field(default_factory=dict)
+    floors: dict[str, float] = field(default_factory=dict)
     min_selected: int = 0
     dense_share: float = 0.0
     prices_dense: bool = True
@@ -105,13 +108,17 @@ class Profile:
     def ready_of(self, name: str) -> float:
         return self.ready[self._index[name]]
 
+    def density_of(self, name: str) -> float:
+        """The density tensor ``name`` selects at: :attr:`density`, or its floor where higher."""
+        return max(self.density, self.floors.get(name, 0.0))
+
     def selected(self, names: Sequence[str], order: str = "ahead") -> int:
         """Elements one rank is expected to send for these tensors."""
         if self.dense_comm:
             return sum(self._info[n].numel for n in names)
         if order == "behind":
-            return max(1, round(self.density * sum(self._info[n].numel for n in names)))
-        return sum(max(1, round(self.density * self._info[n].numel)) for n in names)
+            return max(1, round(sum(self.density_of(n) * self._info[n].numel for n in names)))
+        return sum(max(1, round(self.density_of(n) * self._info[n].numel)) for n in names)
 
     def dense_bytes(self, names: Sequence[str]) -> int:
         return sum(self._info[n].nbytes for n in names)
@@ -209,7 +216,7 @@ class Profile:
                 "dense_allreduce": None if self.dense_allreduce is None else self.dense_allreduce.to_dict(),
                 "communicators": {name: c.to_dict() for name, c in self.communicators.items()},
                 "densities": [[d, c.to_dict(), seg] for d, (c, seg) in self.densities.items()],
-                "min_selected": self.min_selected, "dense_share": self.dense_share,
+                "floors": self.floors, "min_selected": self.min_selected, "dense_share": self.dense_share,
                 "prices_dense": self.prices_dense, "meta": self.meta}
 
     @classmethod
@@ -223,6 +230,7 @@ class Profile:
                    dense_allreduce=None if d.get("dense_allreduce") is None else CostCurve.from_dict(d["dense_allreduce"]),
                    communicators={name: CostCurve.from_dict(c) for name, c in d.get("communicators", {}).items()},
                    densities={float(x): (CostCurve.from_dict(c), float(seg)) for x, c, seg in d.get("densities", [])},
+                   floors={n: float(f) for n, f in d.get("floors", {}).items()},
                    min_selected=int(d.get("min_selected", 0)), dense_share=float(d.get("dense_share", 0.0)),
                    prices_dense=bool(d.get("prices_dense", True)), meta=d.get("meta", {}))
 

@@ -1,8 +1,9 @@
 """The first stage: a gradient into its fusion buffer, with error feedback (SAFusion §3.1 Step 1).
 
-The gradient is locally clipped and momentum-corrected if either is on (DGC §3.2,
-:mod:`~horovod_safusion.momentum`); then, on a sparse step, ``segment = gradient + scale ·
-residual`` is written into the parameter's segment of the buffer's flat tensor, which *is* where
+A tensor's first gradients are measured for the vote on whether it is spread
+(:mod:`~horovod_safusion.spread`), until every rank agreed. The gradient is locally clipped and
+momentum-corrected if either is on (DGC §3.2, :mod:`~horovod_safusion.momentum`); then, on a
+sparse step, ``segment = gradient + scale · residual`` is written into the parameter's segment of the buffer's flat tensor, which *is* where
 the residual lives (in place, no copy). A non-finite gradient element does not join the residual
 (the residual keeps its value there) and is counted, for the step's flags. On a dense step, or
 for a buffer of small tensors, gradient plus any residual goes to where the reduced gradient goes
@@ -29,6 +30,7 @@ from ..compressors.device import SegmentStats
 from ..kernels import host
 from ..momentum import LocalClipping, MomentumCorrection
 from ..residual import ResidualStore, holds
+from ..spread import Spread
 from .collect import WriteBack
 from .flags import StepFlags
 from .mode import StepMode
@@ -43,12 +45,13 @@ class Filler:
         momentum: momentum correction (DGC), or ``None``.
         clipping: local gradient clipping (DGC), or ``None``.
         sparse_as_dense: densify sparse gradients (as Horovod) instead of rejecting them.
+        spread: the votes on which gradients are spread, or ``None`` where nothing follows them.
     """
 
     def __init__(self, residuals: ResidualStore, momentum: MomentumCorrection | None,
-                 clipping: LocalClipping | None, sparse_as_dense: bool) -> None:
+                 clipping: LocalClipping | None, sparse_as_dense: bool, spread: Spread | None = None) -> None:
         self.residuals, self.momentum, self.clipping = residuals, momentum, clipping
-        self.sparse_as_dense = sparse_as_dense
+        self.sparse_as_dense, self.spread = sparse_as_dense, spread
 
     @staticmethod
     def begin(buf: FusionBuffer, mode: StepMode) -> Filling:
@@ -69,6 +72,8 @@ class Filler:
             step.grads[slot] = out.grad_of(p)  # where the reduced gradient will go
             if self.clipping is not None:
                 g = self.clipping(g)
+            if self.spread is not None and self.spread.voting:
+                self.spread.measure(name, g)
             if mode.sends_dense(buf):
                 self._fill_dense(buf, step, slot, g, mode)
             else:

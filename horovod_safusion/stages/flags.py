@@ -1,7 +1,8 @@
 """What every rank must agree on in a step: :class:`StepFlags`, the step's one small allreduce (the
 maximum over ranks): whether any rank dropped non-finite gradient elements on a sparse step, how
-many parameters ranks are about to add, and per parameter whether its gradient arrived on any
-rank. A step some rank could not send whole arrives as NaN on every rank (:func:`poison`), so the
+many parameters ranks are about to add, per parameter whether its gradient arrived on any
+rank, and, while some parameter is undecided, each rank's vote on whether its gradient is spread
+(:mod:`horovod_safusion.spread`). A step some rank could not send whole arrives as NaN on every rank (:func:`poison`), so the
 user's finiteness check (or GradScaler's) skips it on all ranks alike, as with Horovod, and every
 rank takes back what it sent into its residuals; nothing finite is lost and no rank keeps a NaN.
 """
@@ -39,13 +40,17 @@ class StepFlags:
         """Whether ``name``'s gradient arrived on this rank in this step."""
         self.arrived[self.position[name]] = arrived
 
-    def start(self, poisoned: bool, joining: int) -> None:
+    def start(self, poisoned: bool, joining: int, votes: np.ndarray | None = None) -> None:
         """Start the allreduce: submitted after every buffer's collective, so that it waits behind
-        none of them."""
-        flags = np.empty(ARRIVED + len(self.arrived), dtype=np.int32)
+        none of them. ``votes``: this rank's on each parameter's spread, where some parameter is
+        undecided (every rank knows alike whether one is, so every rank sends as many flags)."""
+        n = len(self.arrived)
+        flags = np.empty(ARRIVED + n + (0 if votes is None else len(votes)), dtype=np.int32)
         flags[POISONED] = poisoned
         flags[JOINING_MAX], flags[JOINING_MIN] = joining, -joining
-        flags[ARRIVED:] = self.arrived
+        flags[ARRIVED:ARRIVED + n] = self.arrived
+        if votes is not None:
+            flags[ARRIVED + n:] = votes
         self._result = None
         self._handle = hvd.allreduce_async(torch.from_numpy(flags), op=hvd.Max, name=collective("saf.step"),
                                            process_set=self.process_set)
@@ -67,6 +72,10 @@ class StepFlags:
         """How many parameters ranks add: the minimum and the maximum over ranks."""
         flags = self.result()
         return -int(flags[JOINING_MIN]), int(flags[JOINING_MAX])
+
+    def votes(self) -> np.ndarray:
+        """The maximum over ranks of each parameter's vote (empty where none were sent)."""
+        return self.result()[ARRIVED + len(self.arrived):]
 
     def arrived_anywhere(self, name: str) -> bool:
         """Whether ``name``'s gradient arrived on some rank."""

@@ -131,6 +131,8 @@ def run_config(kwargs: dict, leak: bool) -> dict:
            "peak_at": rise, "by_path": dict(list(held.by_path.items())[:8]), "plan": opt.plan.planner,
            "dense": opt.plan.dense, "buffers": len(opt.plan.buffers), "settled_at": step,
            "takes_momentum": opt.local_momentum is not None,  # u: DGC's correction or EF21-SGDM
+           # the densest selection: a spread gradient's floor where it is above the target
+           "densest": max([opt.controller.target_density, *opt.controller.floors().values()]),
            "half": opt.controller.regimes is not None and opt.controller.regimes.half}
     if leak:
         step = train(opt, model, 20, step)  # allocator and caches warm

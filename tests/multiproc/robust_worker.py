@@ -25,6 +25,12 @@ Every scenario runs every compressor with every communicator it can pair with:
   differently on every rank) and a layer frozen at construction made trainable at step 5.
 * ``join_mismatch``: one rank adds a group that the others do not (``one``), or with another
   shape (``shape``): every rank must raise the same clear error.
+* ``spread``: which gradients are spread, as the ranks vote (``horovod_safusion.spread``): an
+  embedding of a few tokens (concentrated on every rank), a layer whose input is one column on
+  rank 0 (concentrated there) and Gaussian on the others (spread), and a layer no rank uses before
+  step 2; the defaults (a spread tensor at no less than 0.1) with top-k and every tensor sparsified.
+  Records this rank's votes, the decisions and the step each was taken, each tensor's k, what the
+  mixed layer sent per step, the job's conservation error, and whether replicas agree.
 * ``tiny``: a tiny regression MLP (``Linear(10, 32)``, ``Tanh``, ``Linear(32, 1)``) fitting a
   teacher MLP, SGD lr 0.05 momentum 0.9, 300 steps, DGC's compressor: Horovod's optimizer, the
   plugin's defaults, ``dense=False``, ``dense=False`` with every tensor sparsified
@@ -481,6 +487,60 @@ def scenario_join_mismatch(kind):
 # ---- checkpoints ----------------------------------------------------------------------------
 RESUME_PAIRS = [(c, "allgather") for c in COMPRESSORS] + [("dgc", "spardl"), ("dgc", "zen"), ("exdyna", "exdyna")]
 SAVE_AT, TOTAL = 6, 10
+
+
+class Votes(nn.Module):
+    """An embedding, a layer whose gradient is concentrated on rank 0 only (one input column there,
+    one output), a head, and a layer used from step 2 on."""
+
+    def __init__(self):
+        super().__init__()
+        self.words = nn.Embedding(400, 8)
+        self.mixed = nn.Linear(40, 1, bias=False)
+        self.head = nn.Linear(8, 3, bias=False)
+        self.late = nn.Linear(8, 3, bias=False)
+
+    def forward(self, tokens, x, step):
+        h = torch.tanh(self.words(tokens).mean(1) + self.mixed(x))
+        return self.head(h) + (self.late(h) if step >= 2 else 0.0)
+
+
+def scenario_spread():
+    torch.manual_seed(0)
+    model = Votes()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compressor="topk", dense=False,
+                                   min_selected=0, dense_share=0, critical_regimes=None, profile_steps=2,
+                                   momentum_correction=False)
+    named = list(model.named_parameters())
+    spread = opt.controller.spread
+    decided_at, sent_mixed, worst = {}, [], 0.0
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+        tokens = torch.randint(0, 2, (16, 4), generator=g)  # two rows of the embedding
+        x = torch.randn(16, 40, generator=g)
+        if hvd.rank() == 0:
+            x[:, 1:] = 0  # the mixed layer's gradient: one element on rank 0
+        before = {n: residual_of(opt, n, p) for n, p in named}
+        computed = Computed(named)
+        opt.zero_grad()
+        F.cross_entropy(model(tokens, x, step), torch.randint(0, 3, (16,), generator=g)).backward()
+        acc = {n: computed.of(n, p) + before[n] for n, p in named}
+        opt.step()
+        sent = {n: acc[n] - residual_of(opt, n, p) for n, p in named}
+        sent_mixed.append(int((sent["mixed.weight"] != 0).sum()))
+        total = hvd.allreduce(torch.cat([sent[n] for n, _ in named]).double(), op=hvd.Sum, name=f"spread.{step}")
+        applied = torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                             for _, p in named]).double() * hvd.size()
+        worst = max(worst, float((applied - total).abs().max()))
+        for n in spread.decided:
+            decided_at.setdefault(n, step)
+    target = opt.controller.target_density
+    k = {n: int(k) for b in opt.controller.buffers for n, k in zip(b.names, b.selection.k_array(target))}
+    return {"votes": dict(zip(spread.names, spread.votes.tolist())), "decided": spread.decided,
+            "decided_at": decided_at, "k": k, "sent_mixed": sent_mixed, "conservation": worst,
+            "replicas_equal": replicas_equal(model, "spread")}
 
 
 def scenario_tiny():

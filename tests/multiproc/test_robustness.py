@@ -203,12 +203,29 @@ def test_a_checkpoint_saved_on_rank_0_alone_loads_with_a_warning_on_the_others(s
     assert all(not r["warnings"] for r in after[0].values())
 
 
+def test_ranks_agree_which_gradients_are_spread_and_select_those_at_the_floor(out_dir):
+    """Every rank votes on each tensor by its first gradient and the maximum decides: the layer
+    whose gradient is one element on rank 0 and spread on rank 1 is spread on both, the embedding
+    of two tokens is concentrated, and a layer no rank used before step 2 is decided at step 2.
+    From the step after, a spread tensor's k is 10 % of it and a concentrated one's 3 %; the job
+    conserves gradient mass exactly and the replicas agree."""
+    recs = run("gloo-2", out_dir / "gloo-2", "spread")
+    assert recs[0]["votes"]["mixed.weight"] == 1 and recs[1]["votes"]["mixed.weight"] == 2
+    for r in recs:
+        assert r["decided"] == recs[0]["decided"] and r["decided_at"] == recs[0]["decided_at"]
+        assert r["decided"]["mixed.weight"] and not r["decided"]["words.weight"], r
+        assert r["decided_at"] == {"words.weight": 0, "mixed.weight": 0, "head.weight": 0, "late.weight": 2}, r
+        assert r["k"]["mixed.weight"] == 4 and r["k"]["words.weight"] == 96, r  # 10 % of 40, 3 % of 3,200
+        assert r["conservation"] < 1e-6 and r["replicas_equal"], r
+    assert recs[1]["sent_mixed"][0] == 1 and recs[1]["sent_mixed"][1:] == [4] * 7, recs[1]
+
+
 def test_a_tiny_mlp_with_momentum_converges_like_horovod(out_dir):
     """The tiny regression MLP whose every tensor sends a few elements per step at the default
     density: with the defaults and with ``dense=False`` its small tensors go dense, and with every
-    tensor sparsified (``min_selected=0``) the default's masking by tensor clears the momentum of
-    the elements sent from its spread gradients; each ends below its starting loss and within 10x
-    of Horovod's final loss. Masking in every tensor, no masking, and the default at 0.01 are
+    tensor sparsified (``min_selected=0``) its spread gradients select at the default's floor and
+    the default's masking by tensor clears the momentum of the elements sent from them; each ends
+    below its starting loss and within 10x of Horovod's final loss. Masking in every tensor, no masking, and the default at 0.01 are
     recorded (this SGD does not survive a gradient two steps late, and error feedback holds
     elements for tens of steps; ``bench_staleness``)."""
     for rec in run("gloo-2", out_dir / "gloo-2", "tiny"):

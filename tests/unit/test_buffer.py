@@ -51,7 +51,8 @@ def test_a_step_leaves_nothing_of_itself_on_the_buffers(hvd):
     """A fusion buffer keeps only what lives across steps (its plan's segments, its planes); what a
     step makes of it — the fill, the selection, the collective in flight — is a record of the
     stages (``stages.record``), so a step adds no attribute to a buffer and rebinds none but its
-    planes, on a sparse step, with a parameter that got no gradient, and on a dense one."""
+    planes and, once every rank agreed which gradients are spread, its segments with their floors,
+    on a sparse step, with a parameter that got no gradient, and on a dense one."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 4))
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
@@ -69,5 +70,9 @@ def test_a_step_leaves_nothing_of_itself_on_the_buffers(hvd):
         for buf, before in zip(buffers, fields):
             now = vars(buf)
             assert set(now) == set(before), f"step {step} left {sorted(set(now) - set(before))} on a buffer"
-            assert all(now[k] is before[k] for k in before if k not in planes)
+            assert all(now[k] is before[k] for k in before if k not in planes | {"segments", "selection"})
+            for k in ("segments", "selection"):
+                assert (now[k].names, now[k].sizes) == (before[k].names, before[k].sizes)
+            assert (now["selection"] is now["segments"]) == (before["selection"] is before["segments"])
+    assert all(b.selection.floors for b in buffers if not b.dense)  # every gradient of the MLP is spread
     assert opt.controller.last_stats.selected < opt.controller.last_stats.elements  # the last step was sparse

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import horovod_safusion as saf
 from horovod_safusion.fusion import NaivePlanner
-from horovod_safusion.momentum import CONCENTRATED, CONCENTRATION_SAMPLE, concentration
+from horovod_safusion.spread import CONCENTRATED, CONCENTRATION_SAMPLE, concentration
 from horovod_safusion.warmup import STAGES, DensityWarmup
 from corpus import stdlib_corpus
 from digits import DigitsCNN, load_digits_split

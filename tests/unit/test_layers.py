@@ -14,7 +14,7 @@ LAYERS = (
     ("foundation", ("announce", "registry", "requirements", "checkpoint", "clock", "cycle", "launcher", "segment", "wire", "plan", "density", "residual", "observer", "session", "options",
                     "timeline.trace")),
     ("kernels", ("kernels",)),
-    ("algorithms", ("compressors", "fusion", "momentum", "warmup", "regime")),
+    ("algorithms", ("compressors", "fusion", "momentum", "spread", "warmup", "regime")),
     ("communicators", ("communicators",)),
     ("runtime", ("buffer", "stages", "controller", "sweeps", "trial", "profiling", "timeline")),
     ("interface", ("optimizer", "assembly", "joining", "elastic", "__main__", "doctor", "")),
