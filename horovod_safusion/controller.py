@@ -134,7 +134,6 @@ class Controller:
         self.flags = StepFlags(list(self.params), communicator.process_set)
         self.mode: StepMode | None = None  # the step in flight's (the last step's between steps)
         self._step_open = False
-        self._voted = False  # the step's flags carry votes not yet taken (synchronize)
         self.steps = 0
         self.last_stats = StepStats()
         self._observers: list[Observer] = []
@@ -504,7 +503,8 @@ class Controller:
         flights = self._flight
         votes = self.spread.votes if self.spread is not None and self.spread.voting else None
         self.flags.start(any(f.poisoned for f in flights), joining, votes)
-        self._voted = votes is not None
+        if votes is not None:  # decided before the first masking: waits for the flags (first steps only)
+            self.spread.agree(self.flags.votes())
         tally = Tally(len(self.buffers))
         for buf, flight in zip(self.buffers, flights):
             self._collect(buf, flight)
@@ -544,9 +544,6 @@ class Controller:
         pending = flight.pending
         pending.collect()  # waiting: communication
         poisoned = self.flags.poisoned  # submitted last: waits for the others too
-        if self._voted:  # decided before the first masking
-            self.spread.agree(self.flags.votes())
-            self._voted = False
         t = obs.span(WAIT, t, buffer=buf.index) if obs else None
         pending.wait()  # decoding into the gradients: computation after communication
         if flight.half and not half.deliver(buf, flight, self.residuals):

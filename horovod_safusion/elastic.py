@@ -45,9 +45,10 @@ class Membership:
     def sync(self, opt: Any) -> None:
         """After a reset (and when training starts), on every worker: drop the step that failed,
         take rank 0's fusion plan, profiler state, step count, communicator state, critical
-        regimes and which gradients are spread (a joining worker has none), and profile again if the world size changed. Residuals stay with the
-        worker that holds them, so none is duplicated; those of a worker that died are lost with
-        it, as its gradient of the failed step."""
+        regimes and which gradients are spread (a joining worker has none), and profile again if
+        the world size changed. Residuals stay with the worker that holds them, so none is
+        duplicated; those of a worker that died are lost with it, as its gradient of the failed
+        step."""
         ctl, profiler, ps = opt._controller, opt._profiler, opt.process_set
         opt._reset_step()
         rank0 = hvd.broadcast_object({"plan": ctl.plan.to_json(), "profiler": profiler.state_dict(), "steps": ctl.steps,

@@ -3,12 +3,13 @@
 A tensor's first gradients are measured for the vote on whether it is spread
 (:mod:`~horovod_safusion.spread`), until every rank agreed. The gradient is locally clipped and
 momentum-corrected if either is on (DGC §3.2, :mod:`~horovod_safusion.momentum`); then, on a
-sparse step, ``segment = gradient + scale · residual`` is written into the parameter's segment of the buffer's flat tensor, which *is* where
-the residual lives (in place, no copy). A non-finite gradient element does not join the residual
-(the residual keeps its value there) and is counted, for the step's flags. On a dense step, or
-for a buffer of small tensors, gradient plus any residual goes to where the reduced gradient goes
-(``p.grad``, or the buffer's packed flat), and the residual is sent along: whole at density 1,
-a chunk per step after sparse steps (:func:`release`).
+sparse step, ``segment = gradient + scale · residual`` is written into the parameter's segment of
+the buffer's flat tensor, which *is* where the residual lives (in place, no copy). A non-finite
+gradient element does not join the residual (the residual keeps its value there) and is counted,
+for the step's flags. On a dense step, or for a buffer of small tensors, gradient plus any
+residual goes to where the reduced gradient goes (``p.grad``, or the buffer's packed flat), and
+the residual is sent along: whole at density 1, a chunk per step after sparse steps
+(:func:`release`).
 
 A parameter without gradient on this rank (frozen, unused in this rank's forward, ``step()``
 without ``backward()``) sends zeros, so every rank submits the same collectives, and its

@@ -1,10 +1,11 @@
 """What every rank must agree on in a step: :class:`StepFlags`, the step's one small allreduce (the
 maximum over ranks): whether any rank dropped non-finite gradient elements on a sparse step, how
-many parameters ranks are about to add, per parameter whether its gradient arrived on any
-rank, and, while some parameter is undecided, each rank's vote on whether its gradient is spread
-(:mod:`horovod_safusion.spread`). A step some rank could not send whole arrives as NaN on every rank (:func:`poison`), so the
-user's finiteness check (or GradScaler's) skips it on all ranks alike, as with Horovod, and every
-rank takes back what it sent into its residuals; nothing finite is lost and no rank keeps a NaN.
+many parameters ranks are about to add, per parameter whether its gradient arrived on any rank,
+and, while some parameter is undecided, each rank's vote on whether its gradient is spread
+(:mod:`horovod_safusion.spread`). A step some rank could not send whole arrives as NaN on every
+rank (:func:`poison`), so the user's finiteness check (or GradScaler's) skips it on all ranks
+alike, as with Horovod, and every rank takes back what it sent into its residuals; nothing finite
+is lost and no rank keeps a NaN.
 """
 from __future__ import annotations
 

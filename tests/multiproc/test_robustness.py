@@ -225,9 +225,9 @@ def test_a_tiny_mlp_with_momentum_converges_like_horovod(out_dir):
     density: with the defaults and with ``dense=False`` its small tensors go dense, and with every
     tensor sparsified (``min_selected=0``) its spread gradients select at the default's floor and
     the default's masking by tensor clears the momentum of the elements sent from them; each ends
-    below its starting loss and within 10x of Horovod's final loss. Masking in every tensor, no masking, and the default at 0.01 are
-    recorded (this SGD does not survive a gradient two steps late, and error feedback holds
-    elements for tens of steps; ``bench_staleness``)."""
+    below its starting loss and within 10x of Horovod's final loss. Masking in every tensor, no
+    masking, and the default at 0.01 are recorded (this SGD does not survive a gradient two steps
+    late, and error feedback holds elements for tens of steps; ``bench_staleness``)."""
     for rec in run("gloo-2", out_dir / "gloo-2", "tiny"):
         horovod = rec["horovod"]["end"]
         for label in ("default", "dense=False", "every tensor sparse"):
