@@ -391,6 +391,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
+        if self._profiler.active and self.process_set.included():
+            self._profiler.step_starts(self._controller.device)
         return super(self.__class__, self).zero_grad(set_to_none)
 
 

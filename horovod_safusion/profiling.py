@@ -59,15 +59,15 @@ from .session import collective
 
 
 class ProfiledStep(Observer):
-    """The marks of one profiled step: each gradient hook's start and end, the start of each
-    buffer's collective, the decoding and write-back of each buffer, and the end of
-    ``synchronize()``."""
+    """The marks of one profiled step: its start (the previous step's end, or the script's
+    ``zero_grad()`` after it), each gradient hook's start and end, the start of each buffer's
+    collective, the decoding and write-back of each buffer, and the end of ``synchronize()``."""
 
     profiles = True
 
-    def __init__(self, clock: Clock, previous_end: Any) -> None:
+    def __init__(self, clock: Clock, start: Any) -> None:
         self.clock, self.mark = clock, clock.mark
-        self.previous_end = previous_end
+        self.start = start
         self.hooks: list[tuple[str, Any, Any]] = []        # (tensor, hook start, hook end)
         self.launches: list[tuple[int, Any, Any]] = []     # (buffer, start of its collective's span)
         self.aggregations: list[tuple[int, Any, Any]] = []  # (buffer, decoding or write-back span)
@@ -100,7 +100,7 @@ class ProfiledStep(Observer):
         # After the last collective: decoding and write-back of every buffer, then the optimizer's
         # own step. Waiting for collectives is communication, which the simulator models itself.
         suffix = sum(decode.values()) + sec(self.sync_end, step_end)
-        return {"ready": ready, "prefix": sec(self.previous_end, first), "suffix": suffix,
+        return {"ready": ready, "prefix": sec(self.start, first), "suffix": suffix,
                 "launch": launch, "decode": decode}
 
 
@@ -156,6 +156,7 @@ class OnlineProfiler:
         self.local: dict = {}  # this rank's own measurements before the reduction, for inspection
         self.trial: trial.PlanTrial | None = None  # two plans measured against each other
         self._last_end: Any = None
+        self._start: Any = None  # this step's start, where the script called zero_grad() (step_starts)
         self._watching: ProfiledStep | None = None  # the step being profiled
         #: a critical step's wire as timed before the first profiled step: the bytes, float32's
         #: and float16's seconds (the fastest rank's) and what timing them took (this rank's)
@@ -223,7 +224,18 @@ class OnlineProfiler:
             controller.unobserve(self._watching)
             self._watching = None
 
-    # ---- called by the optimizer at the end of every step() ------------------------------------
+    # ---- called by the optimizer: zero_grad() before a step, the end of every step() ------------
+    def step_starts(self, device: torch.device) -> None:
+        """The script cleared the gradients for the next step (``zero_grad()``): that step is timed
+        from here, for the trial and as the profile's forward pass, rather than from the previous
+        step's end. Where a script evaluates, logs or saves between its steps, that work would
+        otherwise count as the step of whichever plan the trial measures then, a random one."""
+        if self._last_end is None:
+            return
+        self._start = Clock(device).mark()
+        if self._watching is not None:
+            self._watching.start = self._start
+
     def step_ends(self, controller: Controller) -> None:
         """Take the profiled step's marks; run the plan trial; after the last profiled step,
         build the profile and switch every rank to the planner's plan; watch the next step if it
@@ -238,10 +250,11 @@ class OnlineProfiler:
         # do not time the plan)
         if self.trial is not None and not self.trial.done and self._last_end is not None \
                 and not controller.off_target:
-            switch = self.trial.step_ends(clock.seconds(self._last_end, now), self.process_set)
+            began = self._last_end if self._start is None else self._start
+            switch = self.trial.step_ends(clock.seconds(began, now), self.process_set)
             if switch is not None:
                 controller.switch_plan(switch)
-        self._last_end = now
+        self._last_end, self._start = now, None
         if len(self._samples) == self.profile_steps:
             self.profile = self.build_profile(controller)
             announce_sweeps(self.profile.meta)

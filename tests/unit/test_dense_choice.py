@@ -1,6 +1,7 @@
 """The dense choice of ``fusion="safusion"``: priced by the planner, settled by measured steps,
 and a dense step that sends the residuals along."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -156,6 +157,37 @@ def test_a_decisive_choice_is_checked_by_measurement_and_tried_out_when_it_misse
         assert used == [0] * (block + 1) and trial.measured[0] == measured
     else:  # it missed: the full A B B A trial, which sparse wins
         assert 1 in used and used[-1] == 1 and "measuring both" in capsys.readouterr().err
+
+
+def test_what_a_script_does_between_its_steps_is_timed_as_no_step(hvd):
+    """A pause between ``step()`` and the next ``zero_grad()`` (an evaluation, a checkpoint) is
+    neither the profile's forward pass nor a step of the plan that the trial measures then; a
+    pause after ``zero_grad()`` is the step's, and is timed."""
+    torch.manual_seed(0)
+    m = DigitsCNN(width=4)
+    opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
+                                   profile_steps=3)
+    x, y, _, _ = load_digits_split()
+    pause = 0.05
+
+    def steps(outside: float, inside: float) -> None:
+        time.sleep(outside)
+        opt.zero_grad()
+        time.sleep(inside)
+        F.cross_entropy(m(x[:32]), y[:32]).backward()
+        opt.step()
+
+    while opt.profile is None:
+        steps(pause, 0.0)
+    assert opt.profiler.local["prefix"] < pause / 2
+    for outside, inside in ((pause, 0.0), (0.0, pause)):
+        trial = opt.profiler.trial = PlanTrial(opt.plan, dataclasses.replace(opt.plan, dense=True))
+        while not trial.done:
+            steps(outside, inside)
+        if inside:
+            assert min(trial.measured) > pause
+        else:
+            assert max(trial.measured) < pause / 2
 
 
 def test_dense_steps_send_the_residuals_along_a_chunk_per_step_and_lose_nothing(hvd):
