@@ -14,7 +14,10 @@ blocks of measured steps (:func:`block_steps`: 3 to 12, enough to span 0.2 s), A
 of the machine's speed hits both alike; the first step after each switch pays for new buffers
 and is not measured), and keeps the one measured faster. When the prediction was decisive, the
 chosen plan is still measured for one block after the switch, and the trial goes on only if it
-measured slower than the other plan was predicted. Every rank measures its own step times; their
+measured slower than the other plan was predicted. A step is timed from the script's
+``zero_grad()`` (:meth:`~horovod_safusion.profiling.OnlineProfiler.step_starts`), else from the
+previous step's end, so that an evaluation between steps is no plan's step. Every rank measures
+its own step times; their
 medians are reduced by the maximum (the job is as fast as its slowest rank), so every rank
 decides alike and switches at the same step. Residuals are per parameter: a sparse plan keeps
 them, and the first dense step sends them along, so the trial loses no gradient.
