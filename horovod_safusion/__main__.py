@@ -47,7 +47,8 @@ def load_model(spec: str):
 
 
 def profile_model(args: argparse.Namespace):
-    """Profile a model in this process (a one-worker Horovod job) with the online profiler."""
+    """Profile a model in this process (a one-worker Horovod job) with the online profiler (no
+    critical regimes: they would send the steps dense and hold the profile back)."""
     import torch
     import horovod.torch as hvd
     from tqdm import tqdm
@@ -58,7 +59,7 @@ def profile_model(args: argparse.Namespace):
     shape = tuple(int(v) for v in args.input_shape.split(","))
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
                                compressor=args.compressor, density=args.density, fusion="safusion",
-                               profile_steps=args.steps)
+                               profile_steps=args.steps, critical_regimes=None)
     x = torch.randn(args.batch_size, *shape)
     for _ in tqdm(range(args.steps + 1), desc="profiling", file=sys.stderr):
         opt.zero_grad()

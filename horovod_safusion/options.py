@@ -54,8 +54,9 @@ class Options:
         than those two (the top k/P of each merged block), so it runs only when named.""")
     profile_steps: int = _option(10, """
         iterations measured before planning (after one warm-up iteration), for planners that need a
-        profile. They train as usual, communication overlapped; after the last one, short sweeps
-        time the compressor and one collective per message size on every rank.""")
+        profile. They train as usual, communication overlapped; after the last one (or, while
+        critical regimes send the next step dense, after the first step before one that they do
+        not), short sweeps time the compressor and one collective per message size on every rank.""")
     replan_every: Any = _option(None, """
         re-profile and re-plan every this many iterations (default: plan once).""")
     timeline: Any = _option(None, """

@@ -6,7 +6,9 @@ profiles ``profile_steps`` iterations: a :class:`ProfiledStep` watches the contr
 worked in its hook (copy into the buffer, compression), so back-propagation's own pace can be
 separated from the plugin's. Profiled steps run as any other: their collectives overlap
 back-propagation as usual. At the end of the last profiled step, on every rank at the same
-point, short sweeps (:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
+point (where a critical regime sends the next step dense, at the end of the first step before
+one that it does not: :meth:`OnlineProfiler._dense_next`), short sweeps
+(:mod:`horovod_safusion.sweeps`) measure the compressor (one buffer of each
 size, locally, on a copy of the compressor) and the active communicator (one collective of each
 message size, all ranks in lockstep; under ``communicator="auto"`` each communicator the job may
 choose that can win at its worker count, :func:`~horovod_safusion.communicators.base.contenders`,
@@ -255,7 +257,7 @@ class OnlineProfiler:
             if switch is not None:
                 controller.switch_plan(switch)
         self._last_end, self._start = now, None
-        if len(self._samples) == self.profile_steps:
+        if len(self._samples) == self.profile_steps and not self._dense_next(controller):
             self.profile = self.build_profile(controller)
             announce_sweeps(self.profile.meta)
             plan = self.planner.plan(self.tensors, self.profile)
@@ -263,12 +265,21 @@ class OnlineProfiler:
             self.trial = trial.start(plan)
             self._samples = []
             self._record_from = self.steps + self.replan_every - self.profile_steps if self.replan_every else None
-        if self._record_from is not None and self.steps >= self._record_from:
+        if self._record_from is not None and self.steps >= self._record_from \
+                and len(self._samples) < self.profile_steps:
             if self.profile is None and self._wire is None and self._weighs_half(controller):
                 self._wire = self._time_wires(controller)
                 now = self._last_end = clock.mark()  # the next step starts after the timing
             self._watching = ProfiledStep(clock, now)
             controller.observe(self._watching)
+
+    @staticmethod
+    def _dense_next(controller: Controller) -> bool:
+        """Whether the next step belongs to a critical regime, which sends dense whatever the plan
+        (decided alike on every rank, :mod:`~horovod_safusion.regime`): the profile's sweeps and
+        the planning then wait for the first step that is not, so that a sparse plan is priced
+        when it is about to be used, and a job whose steps all go dense pays for no sweeps."""
+        return controller.regimes is not None and controller.regimes.critical
 
     # ---- measurements → profile ----------------------------------------------------------------
     def build_profile(self, controller: Controller) -> Profile:

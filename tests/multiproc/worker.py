@@ -690,13 +690,13 @@ def scenario_generator_alignment():
 def scenario_wire_before_profile():
     """Under critical regimes (on by default) the profiler chooses the critical steps' wire at the
     end of the step before its first profiled one, on every rank alike; the steps it profiles go on
-    that wire; the profile's dense sweep takes the wire's float32 time as its largest point, and
-    times ``sweeps.DENSE_POINTS`` sizes in all."""
+    that wire; the profile (built once the regime lets a step go sparse) takes the wire's float32
+    time as its dense sweep's largest point, and times ``sweeps.DENSE_POINTS`` sizes in all."""
     m = make(width=16)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), named_parameters=m.named_parameters(),
                                    profile_steps=2)
     chosen_at, halves = None, []
-    for step in range(4):
+    for step in range(100):
         opt.zero_grad()
         x, y = batch(step)
         F.cross_entropy(m(x), y).backward()
@@ -704,6 +704,8 @@ def scenario_wire_before_profile():
         opt.step()
         if chosen_at is None and opt.profiler._wire is not None:
             chosen_at = step
+        if opt.profile is not None:
+            break
     nbytes, float32_s, float16_s, _ = opt.profiler._wire
     dense = opt.profile.dense_allreduce
     return {"chosen_at": chosen_at, "half": opt.controller.regimes.half, "wire": [nbytes, float32_s, float16_s],

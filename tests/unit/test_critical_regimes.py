@@ -172,16 +172,38 @@ def test_the_plan_trial_times_no_step_of_a_critical_interval(hvd, monkeypatch):
         return step_ends(trial, seconds, process_set)
 
     monkeypatch.setattr(PlanTrial, "step_ends", spy)
-    sent = []
+    sent, tried = [], False
     for step in range(40):
-        if step == 4:  # past the profile (one worker runs no trial of its own): two plans to compare
-            opt.profiler.trial = PlanTrial(opt.plan, opt.plan)
+        if opt.profile is not None and not tried:  # one worker runs no trial of its own: two plans to compare
+            opt.profiler.trial, tried = PlanTrial(opt.plan, opt.plan), True
         opt.zero_grad()
         backward(model, step % 20)
         opt.step()
         sent.append(opt.last_stats.density)
     assert 1.0 in sent[5:] and len(timed) >= 5  # critical intervals fell inside the trial, which timed steps
     assert all(d == opt.target_density for d in timed), timed
+
+
+@pytest.mark.parametrize("interval", [None, 4])
+def test_the_profile_prices_a_plan_when_a_step_is_to_use_it(hvd, interval):
+    """The profile's sweeps and the planning wait while the next step belongs to a critical
+    regime, which sends dense whatever the plan: the profile is built at the end of the first
+    step before one that is not, and with no regimes right after the profiled steps (one
+    settling step, two profiled)."""
+    model, opt = make(compressor="topk", density=0.01, fusion=None, critical_regimes=interval, profile_steps=2)
+    built, dense_next = None, []
+    for step in range(40):
+        opt.zero_grad()
+        backward(model, step % 20)
+        opt.step()
+        dense_next.append(interval is not None and opt.controller.regimes.critical)
+        if built is None and opt.profile is not None:
+            built = step
+    if interval is None:
+        assert built == 2
+    else:
+        assert dense_next[:2 * interval - 1] == [True] * (2 * interval - 1)  # the first two intervals
+        assert built == dense_next.index(False), dense_next
 
 
 def test_the_wire_of_critical_steps_is_chosen_by_measured_time_and_float32_stays_after_an_overflow():

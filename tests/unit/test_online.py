@@ -23,7 +23,7 @@ def test_profiles_once_by_default_and_replans_every_r_steps(hvd, tmp_path):
     torch.manual_seed(0)
     m = DigitsCNN(width=8)
     opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                                   profile_steps=2, replan_every=5)
+                                   profile_steps=2, replan_every=5, critical_regimes=None)
     seen = train(opt, m, 10)
     # warm-up step 0, profiled steps 1-2, switch after step 2; profiled 6-7, re-planned after step 7
     assert [s[0] for s in seen] == ["provisional"] * 2 + ["safusion"] * 8
