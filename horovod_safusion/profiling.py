@@ -239,7 +239,8 @@ class OnlineProfiler:
             self._watching.start = self._start
 
     def step_ends(self, controller: Controller) -> None:
-        """Take the profiled step's marks; run the plan trial; after the last profiled step,
+        """Take the profiled step's marks; run the plan trial; after the last profiled step (or
+        the first after it whose next step is not a critical regime's, :meth:`_dense_next`),
         build the profile and switch every rank to the planner's plan; watch the next step if it
         is to be profiled."""
         clock = Clock(controller.device)
