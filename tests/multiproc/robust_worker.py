@@ -441,7 +441,8 @@ def join_runs():
     """``default``: the defaults but critical regimes, whose dense steps would hold the profile
     back beyond these ten steps."""
     out = {}
-    variants = {"default": {"critical_regimes": None}, "sparse": {"dense": False}, "unnamed": {"dense": False, "named": False},
+    variants = {"default": {"critical_regimes": None}, "sparse": {"dense": False},
+                "unnamed": {"dense": False, "named": False},
                 "momentum_correction": {"dense": False, "momentum_correction": True}}
     for label, kw in variants.items():
         torch.manual_seed(0)

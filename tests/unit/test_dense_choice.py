@@ -177,8 +177,10 @@ def test_what_a_script_does_between_its_steps_is_timed_as_no_step(hvd):
         F.cross_entropy(m(x[:32]), y[:32]).backward()
         opt.step()
 
-    while opt.profile is None:
+    for _ in range(100):  # the profile waits out the critical regimes' dense steps
         steps(pause, 0.0)
+        if opt.profile is not None:
+            break
     assert opt.profiler.local["prefix"] < pause / 2
     for outside, inside in ((pause, 0.0), (0.0, pause)):
         trial = opt.profiler.trial = PlanTrial(opt.plan, dataclasses.replace(opt.plan, dense=True))
