@@ -27,11 +27,15 @@ from .plan import TensorInfo
 from .segment import Segments
 from .session import collective
 
-SWEEP_POINTS = 12
-#: Message sizes per communicator sweep: a collective's cost is latency + bytes / bandwidth, which
-#: fewer points fit, and each point costs collectives of every rank (several rounds for SparDL and
-#: ZEN) paced by Horovod's cycle time.
-COMMUNICATION_POINTS = 8
+#: Buffer sizes per compression sweep, from the smallest tensor to the largest. A selection costs a
+#: fixed part and a part linear in the buffer's elements, which six points fit; each point is
+#: eleven selections, the largest ones the sweep's cost.
+SWEEP_POINTS = 6
+#: Message sizes per communicator sweep: a collective's cost is close to latency + bytes /
+#: bandwidth, which four points fit, as they do the dense allreduce's (:data:`DENSE_POINTS`), and
+#: each point costs every rank three collectives (several rounds each for SparDL and ZEN), each
+#: paced by Horovod's cycle time.
+COMMUNICATION_POINTS = 4
 #: Buffer sizes per dense allreduce sweep. Horovod's dense allreduce is one ring, whose cost is
 #: close to latency + bytes / bandwidth (docs/benchmarks.md, "Per-round latency, fitted"), which
 #: four points fit, where each point costs every rank a warm-up, the counted runs and an
@@ -165,7 +169,8 @@ def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str
     for a collective whose bytes dominate it, run right after one like it). With ``agree`` (a
     collective's name), of one run where that warm-up took :data:`ONE_RUN_S` or more on the
     fastest rank of ``process_set``: the fastest rank's warm-up time is agreed by a small
-    allreduce that goes beside the first counted run, so every rank runs the same collectives.
+    allreduce that goes beside the first counted run, so every rank runs the same collectives
+    (none where ``reps`` is 1).
     With ``give_up`` (a collective's name and this rank's bar in seconds), none counted where the
     fastest rank's warm-up took longer than the lowest rank's bar (both agreed by one small
     allreduce first): the warm-up's seconds are returned."""
@@ -181,7 +186,7 @@ def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str
                                                        process_set=process_set)).tolist()
             if fastest > lowest:
                 return warmup.item()
-        if agree is not None:
+        if agree is not None and reps > 1:  # (one counted run: none to stop)
             agreed = hvd.allreduce_async(warmup, op=hvd.Min, name=collective(agree), process_set=process_set)
     times = []
     for r in range(reps):

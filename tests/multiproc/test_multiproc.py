@@ -227,10 +227,11 @@ def test_the_critical_wire_is_chosen_before_the_profile_on_every_rank_alike(job)
         assert "wires" in r["sweeps"]
 
 
-def test_a_slow_float16_wire_lets_float32_run_once_without_a_warm_up(job):
-    # float16 first: its warm-up and one counted run (slow); then float32 once, with no warm-up
-    for r in per_rank(job, "slow_wires"):
-        assert r == {"runs": [2, 1], "wired": True}, r
+def test_each_critical_wire_is_a_warm_up_and_one_run_and_float32_once_after_a_slow_float16(job):
+    # float16 first: its warm-up and one counted run; then float32 the same, or once, with no
+    # warm-up, where float16 was slow
+    for r in per_rank(job, "wire_runs"):
+        assert r == {"slow": {"runs": [2, 1], "wired": True}, "fast": {"runs": [2, 2], "wired": True}}, r
 
 
 def test_a_swept_allreduce_runs_once_where_its_warm_up_was_slow_on_the_fastest_rank(job):

@@ -714,39 +714,43 @@ def scenario_wire_before_profile():
             "sweeps": sorted(opt.profile.meta["sweeps_s"])}
 
 
-def scenario_slow_wires():
-    """Where float16's wire took ``sweeps.ONE_RUN_S`` or more on the fastest rank (the bar is set to
-    0 here, so every wire is slow), float32's is timed by one run right after it, with no warm-up
-    of its own: the wires run float16's warm-up and one counted run, then float32 once."""
+def scenario_wire_runs():
+    """The collectives that time the critical wires, by runs: float16's warm-up and one counted
+    run, then float32's. Where float16's took ``sweeps.ONE_RUN_S`` or more on the fastest rank
+    (``slow``: the bar is set to 0, so every wire is slow), float32's is timed by one run right
+    after it, with no warm-up of its own; otherwise (``fast``: the bar is infinite) by a warm-up
+    and one counted run (``profiling.WIRE_REPS``)."""
     from horovod_safusion import sweeps
 
-    runs = []
-    real = sweeps.time_collective
+    real, bar = sweeps.time_collective, sweeps.ONE_RUN_S
+    out = {}
+    for case, limit in (("slow", 0.0), ("fast", float("inf"))):
+        runs = []
 
-    def counting(run, *args, **kwargs):
-        count = [0]
+        def counting(run, *args, **kwargs):
+            count = [0]
 
-        def counted():
-            count[0] += 1
-            run()
-        seconds = real(counted, *args, **kwargs)
-        runs.append(count[0])
-        return seconds
+            def counted():
+                count[0] += 1
+                run()
+            seconds = real(counted, *args, **kwargs)
+            runs.append(count[0])
+            return seconds
 
-    bar, sweeps.ONE_RUN_S, sweeps.time_collective = sweeps.ONE_RUN_S, 0.0, counting
-    try:
-        m = make(width=16)
-        opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
-                                       named_parameters=m.named_parameters(), profile_steps=2)
-        for step in range(2):
-            opt.zero_grad()
-            x, y = batch(step)
-            F.cross_entropy(m(x), y).backward()
-            opt.step()
-        wired = opt.profiler._wire is not None
-    finally:
-        sweeps.ONE_RUN_S, sweeps.time_collective = bar, real
-    return {"runs": runs[:2], "wired": wired}
+        sweeps.ONE_RUN_S, sweeps.time_collective = limit, counting
+        try:
+            m = make(width=16)
+            opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                           named_parameters=m.named_parameters(), profile_steps=2)
+            for step in range(2):
+                opt.zero_grad()
+                x, y = batch(step)
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+            out[case] = {"runs": runs[:2], "wired": opt.profiler._wire is not None}
+        finally:
+            sweeps.ONE_RUN_S, sweeps.time_collective = bar, real
+    return out
 
 
 def scenario_agreed_repetitions():
