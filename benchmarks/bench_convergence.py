@@ -291,17 +291,18 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
     """Train ``model`` with ``opt`` (clipping the aggregate gradient to ``clip``) for the task's
     epochs (or the first ``args.steps`` steps) in the seed's data order, evaluating ``args.evals``
     times per epoch (or every ``args.eval_every`` steps). Seconds are training time only
-    (``cpu_seconds``: this process's CPU time over the same steps, all its threads); the
-    evaluations' time is kept apart (``eval_seconds``). With ``args.diagnostics`` every step adds a
-    record of :class:`Diagnostics` (one more collective per step, outside the timed part but
-    its gradient hook)."""
+    (``cpu_seconds``: this process's CPU time over the same steps, all its threads; ``step_seconds``
+    and ``step_cpu``: each step's, where the start's one-off work shows); the evaluations' time is
+    kept apart (``eval_seconds``). With ``args.diagnostics`` every step adds a record of
+    :class:`Diagnostics` (one more collective per step, outside the timed part but its gradient
+    hook)."""
     per_epoch = task.steps_per_epoch()
     total = total_steps(task, args)
     torch.manual_seed(seed * 7919 + task.rank)  # dropout: the same stream for every scheme
     evals = eval_steps(per_epoch, total, args)
     diag = Diagnostics(model, opt, task.size) if getattr(args, "diagnostics", False) else None
     records = []
-    curve, densities, elapsed, cpu, evaluating, step = [], [], 0.0, 0.0, 0.0, 0
+    curve, densities, elapsed, cpu, evaluating, step, step_seconds, step_cpu = [], [], 0.0, 0.0, 0.0, 0, [], []
     for epoch in range(-(-total // per_epoch)):
         perm = task.order(seed, epoch)
         for i in range(min(per_epoch, total - step)):
@@ -320,8 +321,10 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
-            elapsed += time.perf_counter() - t0
-            cpu += time.process_time() - c0
+            step_seconds.append(time.perf_counter() - t0)
+            elapsed += step_seconds[-1]
+            step_cpu.append(time.process_time() - c0)
+            cpu += step_cpu[-1]
             step += 1
             stats = getattr(opt, "last_stats", None)
             if stats is not None:
@@ -333,7 +336,8 @@ def fit(model, opt, clip: float | None, task: Task, seed: int, args) -> dict:
                 curve.append({"step": step, "seconds": elapsed, "metric": task.evaluate(model)})
                 evaluating += time.perf_counter() - t0
     out = {"curve": curve, "final": curve[-1]["metric"], "seconds": elapsed, "steps": step,
-           "cpu_seconds": cpu, "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0}
+           "cpu_seconds": cpu, "eval_seconds": evaluating, "density": float(np.mean(densities)) if densities else 1.0,
+           "step_seconds": [round(s, 4) for s in step_seconds], "step_cpu": [round(s, 4) for s in step_cpu]}
     if diag is not None:
         diag.close()
         out["diagnostics"] = records

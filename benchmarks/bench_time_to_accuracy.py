@@ -53,8 +53,9 @@ of the machine's speed spreads over all schemes; ratios are taken per seed (the 
 next to each other) and their median and min–max are reported (``Horovod/it``: Horovod's time to the
 target over this scheme's; ``PowerSGD/it`` and ``PSGD-1b/it`` likewise). Curves of quality against
 *wall time* (training seconds; medians over seeds with their min–max band), one panel per cell, go
-to ``--out``/tta_{model}.png, the table and every run to ``--out``/results.json. Needs root,
-iproute2 and openssh-server (the cluster); ``--hosts 0 --links loopback`` runs without.
+to ``--out``/tta_{model}.png, the table and every run (its curve, and each step's seconds and CPU
+seconds) to ``--out``/results.json. Needs root, iproute2 and openssh-server (the cluster); ``--hosts 0
+--links loopback`` runs without.
 """
 from __future__ import annotations
 
