@@ -59,10 +59,11 @@ from .plan import FusionPlan, TensorInfo, small_tensors
 from .regime import CriticalRegimes
 from .session import collective
 
-#: Counted runs of each critical wire (after a warm-up): one. Where the link dominates, float16
-#: takes about half of float32's time, which one run tells; where it does not, the two are close,
-#: one run can choose either, and either costs a critical step a short allreduce. Each run more
-#: costs the job's first step an allreduce of the whole model on each wire.
+#: Counted runs of each critical wire (after a warm-up, the least of both its time): one. Where
+#: the link dominates, float16 takes about half of float32's time, which one run tells unless a
+#: busy host slows it (the warm-up, as long, is the second sample); where it does not, the two
+#: are close, one run can choose either, and either costs a critical step a short allreduce. Each
+#: run more costs the job's first step an allreduce of the whole model on each wire.
 WIRE_REPS = 1
 
 
@@ -400,23 +401,24 @@ class OnlineProfiler:
         """A critical step's two wires timed and chosen, before the first profiled step, so that
         the critical steps before the profile go as float16 too where that pays: one dense
         allreduce of the dense sweep's largest size in float32 and in float16 (collectives), each
-        a warm-up and :data:`WIRE_REPS` counted run, the fastest rank's times
-        (:meth:`choose_critical_wire`). Float16 goes first; where it took
-        :data:`~horovod_safusion.sweeps.ONE_RUN_S` or more, the link dominates, and float32 is
-        timed by one run right after it, with no warm-up of its own (the slowest collective of the
-        profile, run once less). Returns the bytes, the two times and this rank's seconds spent;
-        the profile's dense sweep takes float32's time as its own largest point rather than timing
-        it again."""
+        a warm-up and :data:`WIRE_REPS` counted run, the least of them
+        (:func:`~horovod_safusion.sweeps.time_collective`'s ``least``: one run slowed by a busy
+        host does not choose the wire), the fastest rank's times (:meth:`choose_critical_wire`).
+        Float16 goes first; where it took :data:`~horovod_safusion.sweeps.ONE_RUN_S` or more, the
+        link dominates, and float32 is timed by one run right after it, with no warm-up of its own
+        (the slowest collective of the profile, run once less). Returns the bytes, the two times
+        and this rank's seconds spent; the profile's dense sweep takes float32's time as its own
+        largest point rather than timing it again."""
         ps, device = self.process_set, controller.device
         dtype = torch.float32
         start = time.perf_counter()
         nbytes, half = sweeps.dense_allreduce_sweep(hvd.Compression.fp16, self.tensors, dtype, device, ps, largest=True,
-                                                    reps=WIRE_REPS)
+                                                    reps=WIRE_REPS, least=True)
         float16_s = reduce_by_name({"wire": half}, hvd.Min, "saf.profile.wire.float16", ps)["wire"][0]
         # the same on every rank (the fastest rank's time): no warm-up where it was slow
         warm = float16_s < sweeps.ONE_RUN_S
         _, full = sweeps.dense_allreduce_sweep(hvd.Compression.none, self.tensors, dtype, device, ps, largest=True,
-                                               reps=WIRE_REPS, warm=warm)
+                                               reps=WIRE_REPS, warm=warm, least=True)
         float32_s = reduce_by_name({"wire": full}, hvd.Min, "saf.profile.wire.float32", ps)["wire"][0]
         self.choose_critical_wire(controller.regimes, float32_s, float16_s, nbytes[0])
         return nbytes[0], float32_s, float16_s, time.perf_counter() - start

@@ -163,7 +163,7 @@ def uncompressed(numels: Sequence[int], dtype: torch.dtype) -> tuple[list[int], 
 
 def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str | None = None,
                     process_set: Any = None, give_up: tuple[str, float] | None = None,
-                    warm: bool = True) -> float:
+                    warm: bool = True, least: bool = False) -> float:
     """Median seconds of ``reps`` runs of the collective ``run``, after one that warms Horovod's
     caches up and is not counted (``warm=False``: none, and so neither ``agree`` nor ``give_up``,
     for a collective whose bytes dominate it, run right after one like it). With ``agree`` (a
@@ -173,7 +173,11 @@ def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str
     (none where ``reps`` is 1).
     With ``give_up`` (a collective's name and this rank's bar in seconds), none counted where the
     fastest rank's warm-up took longer than the lowest rank's bar (both agreed by one small
-    allreduce first): the warm-up's seconds are returned."""
+    allreduce first): the warm-up's seconds are returned.
+    With ``least``, the least of the warm-up and the counted runs rather than the counted runs'
+    median: a busy host only adds to a run, and the warm-up's first negotiation is one of
+    Horovod's cycles, small beside a collective whose bytes dominate it (a critical wire, timed
+    by one counted run, :mod:`~horovod_safusion.profiling`); no collective more on any rank."""
     agreed = None
     if warm:
         a = clock.mark()
@@ -195,6 +199,8 @@ def time_collective(run: Callable[[], None], clock: Clock, reps: int, agree: str
         times.append(clock.seconds(a, clock.mark()))
         if r == 0 and agreed is not None and hvd.synchronize(agreed).item() >= ONE_RUN_S:
             break
+    if least:
+        return min(times + ([warmup.item()] if warm else []))
     return float(np.median(times))
 
 
@@ -311,13 +317,14 @@ def communicator_sweeps(communicators: dict[str, Communicator], tensors: Sequenc
 def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype: torch.dtype,
                           device: torch.device, process_set: Any, reps: int = 2,
                           largest: bool = False, largest_s: float | None = None,
-                          warm: bool = True) -> tuple[list[float], list[float]]:
+                          warm: bool = True, least: bool = False) -> tuple[list[float], list[float]]:
     """Seconds of one Horovod dense allreduce (with the wire ``compression``) for swept buffer
     sizes up to the model's gradient bytes or :data:`SWEEP_BYTES`, whichever is smaller
     (a collective): the price of sending dense, for the planner's dense choice. ``largest``: that
     largest size alone (how a critical step's wire is chosen, :mod:`~horovod_safusion.regime`);
     ``largest_s``: that size's seconds, timed already (with the same compression), not timed
-    again; ``warm``: :func:`time_collective`'s. Sizes are the uncompressed buffer's bytes."""
+    again; ``warm`` and ``least``: :func:`time_collective`'s. Sizes are the uncompressed buffer's
+    bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel for t in tensors)
     clock = Clock(device)
@@ -338,7 +345,8 @@ def dense_allreduce_sweep(compression: Any, tensors: Sequence[TensorInfo], dtype
             wait(hvd.allreduce_async_(sent, name=collective(f"saf.sweep.{tag}.{j}"), op=hvd.Sum, process_set=process_set))
             compression.decompress(sent, ctx)
         nbytes.append(float(count * element))
-        seconds.append(time_collective(run, clock, reps, f"saf.sweep.agree.{tag}.{j}", process_set, warm=warm))
+        seconds.append(time_collective(run, clock, reps, f"saf.sweep.agree.{tag}.{j}", process_set, warm=warm,
+                                       least=least))
     return nbytes, seconds
 
 

@@ -3,12 +3,16 @@ given norms, the optimizer sending dense exactly in critical intervals, and a re
 bit for bit."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import horovod_safusion as saf
+from horovod_safusion import sweeps
 from horovod_safusion.buffer import FusionBuffer
+from horovod_safusion.clock import Clock
 from horovod_safusion.fusion import NaivePlanner
 from horovod_safusion.regime import DEFAULT_INTERVAL, ETA, HALF_MARGIN, CriticalRegimes
 from horovod_safusion.stages.half import round_to_half
@@ -221,6 +225,20 @@ def test_the_wire_of_critical_steps_is_chosen_by_measured_time_and_float32_stays
     old = {k: v for k, v in r.state_dict().items() if k not in ("half", "overflowed")}  # an older checkpoint
     resumed.load_state_dict(old)
     assert not resumed.half and not resumed.overflowed
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_wire_is_the_least_of_its_warm_up_and_its_counted_run(warm):
+    # a busy host only adds to a run: one slow run of a wire (here the counted one) does not choose
+    # it, where the warm-up moved the same bytes faster; with no warm-up, the counted run alone
+    durations = iter([0.02, 0.25] if warm else [0.25])
+
+    def run():
+        time.sleep(next(durations))
+    least = sweeps.time_collective(run, Clock(torch.device("cpu")), 1, warm=warm, least=True)
+    assert (least < 0.2) if warm else (least >= 0.25), least
+    durations = iter([0.02, 0.25])
+    assert sweeps.time_collective(run, Clock(torch.device("cpu")), 1) >= 0.25  # the median of the counted run
 
 
 def test_a_critical_step_as_float16_keeps_the_rounding_error_as_the_residual(hvd):
