@@ -59,11 +59,11 @@ from .plan import FusionPlan, TensorInfo, small_tensors
 from .regime import CriticalRegimes
 from .session import collective
 
-#: Counted runs of each critical wire (after a warm-up, the least of both its time): one. Where
-#: the link dominates, float16 takes about half of float32's time, which one run tells unless a
-#: busy host slows it (the warm-up, as long, is the second sample); where it does not, the two
-#: are close, one run can choose either, and either costs a critical step a short allreduce. Each
-#: run more costs the job's first step an allreduce of the whole model on each wire.
+#: Counted runs of each critical wire after its warm-up: one, the wire's time the faster of the
+#: two. Where the link dominates, float16 takes about half of float32's time, which one run tells
+#: unless a busy host slows it (the warm-up, as long, is the second sample); where it does not,
+#: the two are close, one run can choose either, and either costs a critical step a short
+#: allreduce. Each run more costs the job's first step an allreduce of the whole model on each wire.
 WIRE_REPS = 1
 
 
