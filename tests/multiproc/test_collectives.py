@@ -25,10 +25,9 @@ CONFIGS = {"gloo-2": ([2], "density_one,conservation,training", "", False),
            "hosts-2x2": ([2, 2], "density_one,conservation,training", EVERY, True),
            "hosts-3x1": ([1, 1, 1], "density_one,conservation", EVERY, True)}
 LAUNCH_TIMEOUT = 300  # a launch takes well under two minutes; longer means a hang
-#: Horovod's Gloo timeout for the jobs on this host. Three workers on two cores have stalled
-#: Horovod's own collectives for 8–40 s at times while the Gloo rounds' group was in use (cause
-#: not found; docs/benchmarks.md, "Stalls of Horovod's collectives with three workers on two
-#: cores"); past Horovod's default of 30 s the job ends before the checks run.
+#: Horovod's Gloo timeout (s) for the jobs on one host. With more workers than cores, Horovod's own
+#: collectives have stalled beyond its default of 30 s at times while the Gloo rounds' group was in
+#: use (cause not found), which ends the job before the checks run.
 GLOO_TIMEOUT_S = 120
 _cache = {}
 
