@@ -13,9 +13,25 @@ import subprocess
 import sys
 
 
+#: Horovod's Gloo timeout (s) for the tests' Gloo jobs of three workers or more. With more workers
+#: than cores, Horovod's own collectives have stalled beyond its default of 30 s at times, on one
+#: host and across the cluster's hosts alike, which ends the job before its checks run.
+GLOO_TIMEOUT_S = 120
+
+
 def horovodrun() -> str:
     """The ``horovodrun`` next to this Python (the project's virtual environment)."""
     return shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+
+
+def gloo_timeout(transport: str, np_: int) -> list[str]:
+    """``horovodrun``'s option for :data:`GLOO_TIMEOUT_S` where a Gloo job has more than two workers."""
+    return ["--gloo-timeout-seconds", str(GLOO_TIMEOUT_S)] if transport == "--gloo" and np_ > 2 else []
+
+
+def on_localhost(np_: int, transport: str = "--gloo") -> list[str]:
+    """``horovodrun`` with ``np_`` workers on this host over ``transport`` (``--gloo``, ``--mpi``)."""
+    return [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport, *gloo_timeout(transport, np_)]
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None,
@@ -84,7 +100,7 @@ def on_hosts(slots: list[int], transport: str = "--gloo") -> list[str]:
     over the hosts' own interface — a real multi-host launch (ssh to every other host)."""
     hosts = ",".join(f"h{i + 1}:{n}" for i, n in enumerate(slots))
     return ["bash", CLUSTER, "run", horovodrun(), "-np", str(sum(slots)), "-H", hosts, transport,
-            "--network-interface", "sfnet"]
+            *gloo_timeout(transport, sum(slots)), "--network-interface", "sfnet"]
 
 
 def cluster(hosts: int, rate: str = "none") -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import horovodrun, on_hosts, run as run_horovodrun
+from launch import on_hosts, on_localhost, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "collectives_worker.py")
@@ -25,10 +25,6 @@ CONFIGS = {"gloo-2": ([2], "density_one,conservation,training", "", False),
            "hosts-2x2": ([2, 2], "density_one,conservation,training", EVERY, True),
            "hosts-3x1": ([1, 1, 1], "density_one,conservation", EVERY, True)}
 LAUNCH_TIMEOUT = 300  # a launch takes well under two minutes; longer means a hang
-#: Horovod's Gloo timeout (s) for the jobs on one host. With more workers than cores, Horovod's own
-#: collectives have stalled beyond its default of 30 s at times while the Gloo rounds' group was in
-#: use (cause not found), which ends the job before the checks run.
-GLOO_TIMEOUT_S = 120
 _cache = {}
 
 pytestmark = pytest.mark.multiproc
@@ -39,8 +35,7 @@ def launch(config, tmp_path_factory):
         slots, scenarios, comms, across = CONFIGS[config]
         out = tmp_path_factory.mktemp(config)
         np_ = sum(slots)
-        head = on_hosts(slots) if across else [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-                                                "--gloo-timeout-seconds", str(GLOO_TIMEOUT_S)]
+        head = on_hosts(slots) if across else on_localhost(np_)
         cmd = [*head, sys.executable, WORKER, str(out), scenarios, *([comms] if comms else [])]
         proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = [json.loads(p.read_text()) if p.exists() else {} for p in

@@ -26,7 +26,7 @@ import warnings
 
 import pytest
 
-from launch import first_errors, horovodrun, run as run_horovodrun
+from launch import first_errors, horovodrun, on_localhost, run as run_horovodrun
 
 pytestmark = pytest.mark.multiproc
 
@@ -109,9 +109,8 @@ BENCH_CASES = {
 @pytest.mark.parametrize("case", list(BENCH_CASES))
 def test_synthetic_benchmark(case, tmp_path):
     transport, np_, optimizer, extra = BENCH_CASES[case]
-    cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport,
-           sys.executable, os.path.join(EXAMPLES, "synthetic_benchmark.py"), "--optimizer", optimizer,
-           *BENCH, *extra, "--dump-stacks-after", STACKS_AFTER, "--json", str(tmp_path / "rank{rank}.json")]
+    cmd = [*on_localhost(np_, transport), sys.executable, os.path.join(EXAMPLES, "synthetic_benchmark.py"),
+           "--optimizer", optimizer, *BENCH, *extra, "--dump-stacks-after", STACKS_AFTER, "--json", str(tmp_path / "rank{rank}.json")]
     proc, seconds, records = run_job(cmd, tmp_path)
     assert_ok(proc, seconds)
     assert "Total img/sec on %d CPU(s)" % np_ in proc.stdout

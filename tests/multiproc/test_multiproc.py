@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import first_errors, horovodrun, run as run_horovodrun
+from launch import first_errors, on_localhost, run as run_horovodrun
 from horovod_safusion import sweeps
 from horovod_safusion.plan import DENSE_SHARE, MIN_SELECTED
 
@@ -24,8 +24,7 @@ def launch(config, tmp_path_factory):
     if config not in _cache:
         transport, np_ = CONFIGS[config]
         out = tmp_path_factory.mktemp(config)
-        cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport,
-               sys.executable, os.path.join(HERE, "worker.py"), str(out)]
+        cmd = [*on_localhost(np_, transport), sys.executable, os.path.join(HERE, "worker.py"), str(out)]
         proc = run_horovodrun(cmd, LAUNCH_TIMEOUT)
         records = []
         for r in range(np_):

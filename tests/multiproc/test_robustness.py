@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch import horovodrun, on_hosts, run as run_horovodrun
+from launch import on_hosts, on_localhost, run as run_horovodrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRANSPORTS = {"gloo-2": ("--gloo", 2), "gloo-3": ("--gloo", 3), "mpi-2": ("--mpi", 2)}
@@ -29,7 +29,7 @@ def command(config: str, worker_args: list[str]) -> tuple[list[str], int]:
         head, np_ = on_hosts(HOSTS[config]), sum(HOSTS[config])
     else:
         transport, np_ = TRANSPORTS[config]
-        head = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport]
+        head = on_localhost(np_, transport)
     return [*head, sys.executable, os.path.join(HERE, "robust_worker.py"), *worker_args], np_
 
 
@@ -127,8 +127,8 @@ def test_a_param_group_added_during_training_is_synchronised(config, out_dir):
 @pytest.mark.parametrize("config,kind", [("gloo-3", "one"), ("gloo-2", "shape")])
 def test_a_param_group_added_on_some_ranks_only_is_a_clear_error_on_every_rank(config, kind, tmp_path):
     transport, np_ = TRANSPORTS[config]
-    cmd = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", transport, sys.executable,
-           os.path.join(HERE, "robust_worker.py"), str(tmp_path), "join_mismatch", kind]
+    cmd = [*on_localhost(np_, transport), sys.executable, os.path.join(HERE, "robust_worker.py"), str(tmp_path),
+           "join_mismatch", kind]
     proc = run_horovodrun(cmd, 120)
     assert proc.returncode != 0 and "killed after" not in proc.stderr, proc.stderr[-3000:]
     for rank in range(np_):
