@@ -3,9 +3,13 @@
 A link is named ``loopback`` (the plain loopback, nothing limited) or by a ``tc`` rate such as
 ``1gbit`` or ``200mbit``. For a rate, :func:`limited_link` makes a fresh namespace, brings its
 loopback up and limits it with a token bucket (``tc qdisc add dev lo root tbf``); commands run
-inside with the prefix it yields (``ip netns exec NAME``). The bucket's burst (1 MB) is above the
-64 KiB loopback MTU: a smaller one drops large packets and Gloo times out. ``netem`` (delay) is
-not in every kernel, so only the rate is limited. Needs root and iproute2.
+inside with the prefix it yields (``ip netns exec NAME``). The bucket holds 2 ms of the rate, and
+at least twice the loopback's 64 KiB MTU (a bucket below the MTU drops large packets and Gloo times
+out): :func:`burst_bytes`. A larger bucket lends its bytes at memory speed after every pause, so
+that a step's message of a few hundred kilobytes crossed a "100 Mbit/s" link many times faster than
+such a link can carry it (docs/benchmarks.md, "The links' token bucket"); ``scripts/cluster.sh``
+sizes its hosts' buckets by the same rule (64 KiB at least: their MTU is 1500). ``netem`` (delay)
+is not in every kernel, so only the rate is limited. Needs root and iproute2.
 
 Tear-down always runs: SIGTERM and SIGHUP end a link's (or cluster's) block through its
 ``finally``, and a namespace left by a process that was killed outright (SIGKILL, a restart) is
@@ -37,10 +41,30 @@ def rate_of(link: str | None) -> str | None:
     return None if link in (None, LOOPBACK) else link
 
 
+#: A link's token bucket holds this many seconds of its rate (at least :data:`MIN_BURST` bytes).
+BURST_S = 0.002
+#: Twice the loopback's MTU (65536): a packet larger than the bucket is dropped.
+MIN_BURST = 131072
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def burst_bytes(rate: str) -> int:
+    """The token bucket's size for a ``tc`` rate such as ``100mbit``: :data:`BURST_S` of it, at
+    least :data:`MIN_BURST`."""
+    m = re.fullmatch(r"(\d+)(kbit|mbit|gbit)", rate)
+    if m is None:
+        raise ValueError(f"a link's rate must be a number with kbit, mbit or gbit (e.g. 100mbit), got {rate!r}")
+    return max(MIN_BURST, int(int(m.group(1)) * _UNITS[m.group(2)] / 8 * BURST_S))
+
+
 def check_link(link: str | None, option: str = "--links") -> None:
     """Stop with a clear message if ``link`` needs a namespace and this machine cannot make one."""
     if rate_of(link) is None:
         return
+    try:
+        burst_bytes(rate_of(link))
+    except ValueError as e:
+        raise SystemExit(f"{option} {link}: {e}") from None
     require(f"{option} {link}: limiting the link needs root and iproute2 (ip, tc)")
 
 
@@ -110,7 +134,7 @@ def limited_link(link: str | None, option: str = "--links"):
         try:
             subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                            "rate", rate, "burst", "1mb", "limit", "4mb"], check=True)
+                            "rate", rate, "burst", str(burst_bytes(rate)), "limit", "4mb"], check=True)
             yield ["ip", "netns", "exec", ns]
         finally:
             subprocess.run(["ip", "netns", "del", ns], check=False)

@@ -12,7 +12,9 @@
 # 10.77.0.<i>/24 and the name h<i>; inside a host, this machine's hostname resolves to the host's
 # own address (Horovod 0.28's Gloo contexts for process sets use the hostname's address, not
 # HOROVOD_GLOO_IFACE). A host's link rate is a token bucket (tc tbf) on both ends of its veth,
-# so each host has a link of its own, both ways, as a switch port gives. Needs root,
+# so each host has a link of its own, both ways, as a switch port gives. The bucket holds 2 ms of
+# the rate (64 KiB at least; CLUSTER_BURST=bytes sets it): a larger one lets a message of a step
+# leave at memory speed after a pause, which a real link of that rate never does. Needs root,
 # iproute2 and openssh-server (scripts/install.sh installs them).
 set -euo pipefail
 
@@ -43,11 +45,21 @@ down() {
   rm -rf "$STATE"
 }
 
+burst() {  # burst RATE: the bucket's size in bytes, 2 ms at RATE (64 KiB at least), or $CLUSTER_BURST
+  if [ -n "${CLUSTER_BURST:-}" ]; then echo "$CLUSTER_BURST"; return; fi
+  local value unit
+  [[ "$1" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "RATE must be a number with kbit, mbit or gbit (e.g. 100mbit), or none; got '$1'"
+  value=${BASH_REMATCH[1]} unit=${BASH_REMATCH[2]}
+  case $unit in kbit) value=$((value * 1000)) ;; mbit) value=$((value * 1000000)) ;; gbit) value=$((value * 1000000000)) ;; esac
+  value=$((value / 8 / 500))  # bytes in 2 ms
+  echo $((value > 65536 ? value : 65536))
+}
+
 limit() {  # limit DEV RATE [NETNS]: a token bucket on DEV's egress
   local run=()
   [ $# -ge 3 ] && run=(ip netns exec "$3")
   [ "$2" = none ] && return 0
-  "${run[@]}" tc qdisc replace dev "$1" root tbf rate "$2" burst 1mb limit 4mb
+  "${run[@]}" tc qdisc replace dev "$1" root tbf rate "$2" burst "$(burst "$2")" limit 4mb
 }
 
 keys() {  # a key root logs in with, listed in authorized_keys; the machine's host keys
@@ -62,6 +74,7 @@ keys() {  # a key root logs in with, listed in authorized_keys; the machine's ho
 up() {
   local n=$1 rate=${2:-none} i addr hosts
   [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 250 ] || die "HOSTS must be 1 to 250, got '$n'"
+  [ "$rate" = none ] || burst "$rate" >/dev/null || exit 1
   [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces, tc, sshd)"
   command -v tc >/dev/null || die "tc not found: apt-get install iproute2"
   [ -x /usr/sbin/sshd ] || die "/usr/sbin/sshd not found: apt-get install openssh-server"
@@ -89,7 +102,7 @@ up() {
     printf '127.0.0.1 localhost\n%s %s\n%s' "$addr" "$(hostname)" "$hosts" > "/etc/netns/$(ns "$i")/hosts"
     ip netns exec "$(ns "$i")" /usr/sbin/sshd -o ListenAddress="$addr" -o PidFile="$STATE/h$i.pid" \
       -o PermitRootLogin=prohibit-password -o StrictModes=no
-    echo "$rate" > "$STATE/h$i.rate"
+    if [ "$rate" = none ]; then echo none; else echo "$rate, burst $(burst "$rate") bytes"; fi > "$STATE/h$i.rate"
   done
   for i in $(seq 1 "$n"); do  # every host answers ssh before `up` returns
     ip netns exec "$(ns 1)" ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null \

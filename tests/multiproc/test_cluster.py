@@ -43,7 +43,8 @@ def test_up_twice_then_down(own_cluster):
         assert f"10.78.0.{host}" in inside(host, "ip", "-4", "addr", "show", "sfnet")
         # this machine's hostname is the host's own address there (Horovod's Gloo process sets)
         assert inside(host, "getent", "hosts", socket.gethostname()).split()[0] == f"10.78.0.{host}"
-        assert "rate 1Gbit" in inside(host, "tc", "qdisc", "show", "dev", "sfnet")
+        # the bucket holds 2 ms of the rate: no message of a step leaves at memory speed
+        assert "rate 1Gbit burst 250000b" in inside(host, "tc", "qdisc", "show", "dev", "sfnet")
         assert "rate 1Gbit" in subprocess.run(["tc", "qdisc", "show", "dev", f"sftv{host}"], capture_output=True,
                                               text=True).stdout  # both directions
     # ssh from host 1 to host 2 by name, as horovodrun does
@@ -58,6 +59,13 @@ def test_up_twice_then_down(own_cluster):
 def test_bad_host_count_is_a_clear_error(own_cluster):
     bad = sh("up", "0")
     assert bad.returncode != 0 and "HOSTS must be 1 to 250, got '0'" in bad.stderr
+
+
+def test_a_bad_rate_is_a_clear_error(own_cluster):
+    bad = sh("up", "2", "fast")
+    assert bad.returncode != 0 and "RATE must be a number with kbit, mbit or gbit (e.g. 100mbit), or none; " \
+        "got 'fast'" in bad.stderr
+    assert sh("status").stdout.strip() == "cluster: no hosts"
 
 
 def namespaces() -> list[str]:
