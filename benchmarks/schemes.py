@@ -40,7 +40,7 @@ TECHNIQUES = {"mc": "momentum correction", "nomask": "without momentum factor ma
 DGC = frozenset({"mc", "clip", "warmup"})
 ENV_KEY = re.compile(r"[A-Z][A-Z0-9_]*")  # a pair with such a key is an environment variable
 INT_KEYS = ("profile_steps", "replan_every", "min_selected", "warmup_steps", "critical_regimes")
-FLOAT_KEYS = ("local_clipping", "dense_share")
+FLOAT_KEYS = ("local_clipping", "dense_share", "spread_density")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import schemes  # noqa: E402
     ("safusion:communicator=spardl:dense=false:min_selected=0",
      {"communicator": "spardl", "dense": False, "min_selected": 0}),
     ("safusion:dense_share=0", {"dense_share": 0.0}),
+    ("safusion:spread_density=0.03", {"spread_density": 0.03}),
     ("safusion:critical_regimes=none", {"critical_regimes": None}),
     ("safusion:critical_regimes=5", {"critical_regimes": 5}),
     ("safusion@0.5:communicator=scalecom:compression=fp16",
