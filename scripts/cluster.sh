@@ -74,7 +74,7 @@ keys() {  # a key root logs in with, listed in authorized_keys; the machine's ho
 up() {
   local n=$1 rate=${2:-none} i addr hosts
   [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 250 ] || die "HOSTS must be 1 to 250, got '$n'"
-  [ "$rate" = none ] || burst "$rate" >/dev/null || exit 1
+  [ "$rate" = none ] || burst "$rate" >/dev/null  # a rate it cannot size stops here
   [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces, tc, sshd)"
   command -v tc >/dev/null || die "tc not found: apt-get install iproute2"
   [ -x /usr/sbin/sshd ] || die "/usr/sbin/sshd not found: apt-get install openssh-server"
