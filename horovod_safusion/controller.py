@@ -13,7 +13,8 @@ tensor → fusion buffer (:class:`~horovod_safusion.buffer.FusionBuffer`) of the
    stays in place) — and :mod:`~horovod_safusion.stages.send` — ONE asynchronous collective,
    overlapping the rest of back-propagation;
 4. :meth:`Controller.synchronize` starts every buffer that has not started (so no rank hangs when a
-   parameter got no gradient), :mod:`~horovod_safusion.stages.flags` starts the step's flags, and
+   parameter got no gradient), :mod:`~horovod_safusion.stages.flags` starts the step's flags (or
+   the plan's last buffer carries them, where it goes dense), and
    :mod:`~horovod_safusion.stages.collect` writes each aggregate into ``p.grad``.
 
 It reports its phases to whoever observes the step (:mod:`horovod_safusion.observer`: the online
@@ -439,7 +440,7 @@ class Controller:
         obs = self.observer
         t = obs.mark() if obs else None
         filling = self._fill(buf, slot)
-        if filling.full:
+        if filling.full and not self._carries_flags(buf):  # (that one starts in synchronize())
             self._launch(buf, filling)
         if obs:
             obs.span(GRADIENT_READY, t, tensor=buf.names[slot])
@@ -457,8 +458,17 @@ class Controller:
             obs.span(MEMCPY_IN, t, tensor=buf.names[slot])
         return filling
 
-    def _launch(self, buf: FusionBuffer, filling: Filling) -> None:
-        """Select (a sparse buffer) and start the buffer's collective."""
+    def _carries_flags(self, buf: FusionBuffer) -> bool:
+        """Whether ``buf`` carries the step's flags (:mod:`~horovod_safusion.stages.flags`): the
+        plan's last buffer, where it goes dense and no spread vote is due (the same on every
+        rank). It is then started by :meth:`synchronize`, which knows the flags, just after the
+        last gradient's hook."""
+        return buf.index == len(self.buffers) - 1 and self.mode.sends_dense(buf) \
+            and not (self.spread is not None and self.spread.voting)
+
+    def _launch(self, buf: FusionBuffer, filling: Filling, flags: float | None = None) -> None:
+        """Select (a sparse buffer) and start the buffer's collective (``flags``: this rank's value
+        of the step's flags, where the buffer carries them)."""
         obs = self.observer
         t = obs.mark() if obs else None
         selected = None
@@ -470,7 +480,7 @@ class Controller:
         if obs:
             t = obs.span(COMPRESS, t, buffer=buf.index, elements=buf.numel,
                          selected=buf.numel if selected is None else selected.values.numel())
-        self._flight[buf.index] = self.sender.start(buf, filling, self.mode, selected)
+        self._flight[buf.index] = self.sender.start(buf, filling, self.mode, selected, flags)
         if obs:
             obs.span(SUBMIT, t, buffer=buf.index)
 
@@ -493,16 +503,24 @@ class Controller:
             obs.synchronize_begins(self.steps, self.plan.planner, obs.profiles)
         if not self._step_open:
             self._open_step()
+        carrier = self.buffers[-1] if self.buffers and self._carries_flags(self.buffers[-1]) else None
         for buf in self.buffers:  # same order on every rank
             if self._flight[buf.index] is None:
                 filling = self._filling[buf.index]
                 for slot in range(len(buf.names)):
                     if filling is None or slot not in filling.filled:
                         filling = self._fill(buf, slot, buf.params[slot] in arrived)
-                self._launch(buf, filling)
+                if buf is carrier:  # the last: every other buffer started, every gradient known
+                    self._launch(buf, filling, self.flags.carry(any(f.poisoned for f in self._flight[:-1]), joining))
+                else:
+                    self._launch(buf, filling)
         flights = self._flight
         votes = self.spread.votes if self.spread is not None and self.spread.voting else None
-        self.flags.start(any(f.poisoned for f in flights), joining, votes)
+        if carrier is None:
+            self.flags.start(any(f.poisoned for f in flights), joining, votes)
+        else:
+            last = flights[-1]
+            self.flags.carried(lambda: (last.pending.collect(), float(last.rider.item()))[1])
         if votes is not None:  # decided before the first masking: waits for the flags (first steps only)
             self.spread.agree(self.flags.votes())
         tally = Tally(len(self.buffers))

@@ -10,7 +10,8 @@ fuses what fits its fusion buffer; a group larger than the buffer (even a group 
 would make Horovod grow the buffer to the group's size and keep it at that size
 (docs/benchmarks.md, "Memory", has the measurement). With a sparsifying compressor the selected
 values are placed into the zeroed gradients first, which isolates the effect of sparsification on
-accuracy from any traffic saving.
+accuracy from any traffic saving. A rider (:attr:`~.base.Outgoing.rider`) goes last in the group,
+reduced alike, and is written back in place when the collective completes.
 """
 from __future__ import annotations
 
@@ -43,20 +44,28 @@ class Allreduce(Communicator):
             if out.values is not None:  # a sparse selection, sent dense
                 out.target.zero()
                 out.target.add(out.values, out.indices)
-        compressed = [self.compression.compress(t) for t in tensors]
+        riders = [] if out.rider is None else [out.rider]
+        compressed = [self.compression.compress(t) for t in tensors + riders]
         sent = [c for c, _ in compressed]
 
         def decode(reduced: list[torch.Tensor]) -> None:
-            for t, r, (c, ctx) in zip(tensors, reduced, compressed):
+            for t, r, (c, ctx) in zip(tensors, reduced, compressed):  # (the rider is not decoded)
                 if c is not t:  # wire compression: the reduced copy back into the gradient
                     t.copy_(self.compression.decompress(r, ctx))
 
+        def collected(reduced: list[torch.Tensor]) -> list[torch.Tensor]:
+            if riders and compressed[-1][0] is not out.rider:  # the rider's reduced copy back in place
+                out.rider.copy_(self.compression.decompress(reduced[-1], compressed[-1][1]))
+            return reduced
+
         scale = dict(op=reduction.op, prescale_factor=reduction.prescale, postscale_factor=reduction.postscale,
                      process_set=self.process_set)
-        nbytes = sum(c.numel() * c.element_size() for c in sent)
+        nbytes = sum(c.numel() * c.element_size() for c in sent[:len(tensors)])
         if nbytes > fusion_threshold():
             handles = [hvd.allreduce_async_(c, name=collective(f"saf.ar.{out.tag}.{i}"), **scale)
                        for i, c in enumerate(sent)]
-            return Pending(lambda: [wait(h) for h in handles], decode, nbytes)
-        handle = hvd.grouped_allreduce_async_(sent, name=collective(f"saf.ar.{out.tag}"), **scale)
-        return Pending(lambda: wait(handle), decode, nbytes)
+            return Pending(lambda: collected([wait(h) for h in handles]), decode, nbytes)
+        # (a group of another composition under another name: Horovod's response cache keys by name)
+        name = f"saf.ar.{out.tag}" + (".rider" if riders else "")
+        handle = hvd.grouped_allreduce_async_(sent, name=collective(name), **scale)
+        return Pending(lambda: collected(wait(handle)), decode, nbytes)

@@ -134,6 +134,9 @@ class Outgoing:
             device path's kernels, or ``None``.
         target: where the reduced gradient goes (``None`` for a sweep, which only times the
             collective).
+        rider: a small tensor of the target's dtype that a dense communicator reduces in the same
+            collective, in place, and does not decode (the step's flags,
+            :mod:`horovod_safusion.stages.flags`), or ``None``. Sparse communicators take none.
 
     Valid until the :class:`Pending` that :meth:`Communicator.start` returned has finished
     ``wait()``. ``values``, ``residual`` and ``indices`` are read-only (``residual`` is a view of
@@ -147,6 +150,7 @@ class Outgoing:
     residual: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     target: Target | None = None
+    rider: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:

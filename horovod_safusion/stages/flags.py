@@ -6,10 +6,21 @@ and, while some parameter is undecided, each rank's vote on whether its gradient
 rank (:func:`poison`), so the user's finiteness check (or GradScaler's) skips it on all ranks
 alike, as with Horovod, and every rank takes back what it sent into its residuals; nothing finite
 is lost and no rank keeps a NaN.
+
+**The flags carried.** Horovod runs a step's collectives one after another, so a collective of
+its own costs every step a negotiation and a pass round the ranks after the buffers' own, which a
+slow link between hosts makes long. Where the step's last buffer goes dense (a dense step, or a
+sparse plan's buffer of small tensors, :func:`~horovod_safusion.plan.send_small_dense`) and no
+vote is due, the flags ride in that buffer's allreduce instead, as one more element of its group
+(:meth:`StepFlags.carry`): this rank's count of what it has to tell (1 where it dropped a
+non-finite element, adds parameters, or lacks a gradient, else 0), summed with the gradients. A
+sum of zero tells every rank the usual flags: nothing dropped, nothing joining, every gradient
+arrived somewhere. Any other sum, the same on every rank, sends the flags' own allreduce after
+all, so the rare steps keep their exact maximum.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +47,10 @@ class StepFlags:
         self.arrived = np.ones(len(self.position), dtype=bool)  # per position: its gradient arrived here
         self._handle: int | None = None
         self._result: np.ndarray | None = None
+        #: where the step's last buffer carries the flags: this rank's (poisoned, joining), and
+        #: how to read the sum over ranks (:meth:`carry`, :meth:`carried`)
+        self._told: tuple[bool, int] | None = None
+        self._read: Callable[[], float] | None = None
 
     def arrive(self, name: str, arrived: bool) -> None:
         """Whether ``name``'s gradient arrived on this rank in this step."""
@@ -52,12 +67,29 @@ class StepFlags:
         flags[ARRIVED:ARRIVED + n] = self.arrived
         if votes is not None:
             flags[ARRIVED + n:] = votes
-        self._result = None
+        self._result, self._told, self._read = None, None, None
         self._handle = hvd.allreduce_async(torch.from_numpy(flags), op=hvd.Max, name=collective("saf.step"),
                                            process_set=self.process_set)
 
+    def carry(self, poisoned: bool, joining: int) -> float:
+        """This rank's count of what it has to tell, for the step's last buffer to carry in its
+        allreduce (see the module's docstring): 1.0 where it dropped a non-finite element, adds
+        parameters or lacks a gradient, else 0.0. :meth:`carried` says how to read the sum."""
+        self._result, self._handle, self._told, self._read = None, None, (poisoned, joining), None
+        return float(poisoned or joining != 0 or not self.arrived.all())
+
+    def carried(self, read: Callable[[], float]) -> None:
+        """``read``: waits for the buffer that carries the flags and returns their sum over ranks."""
+        self._read = read
+
     def result(self) -> np.ndarray:
         """The flags of every rank (waits for them the first time)."""
+        if self._result is None and self._told is not None:
+            if self._read() == 0.0:  # every rank's flags are the usual ones: no allreduce of their own
+                self._result = np.concatenate([np.zeros(ARRIVED, dtype=np.int32),
+                                               np.ones(len(self.arrived), dtype=np.int32)])
+            else:  # the same sum on every rank: every rank sends its flags
+                self.start(*self._told)
         if self._result is None:
             self._result = wait(self._handle).numpy()
             self._handle = None

@@ -81,6 +81,8 @@ class InFlight:
         filling: the step's fill (the gradients' destinations, the residuals set aside).
         selected: what this rank sent, or ``None`` for a dense buffer (all of it).
         half: the buffer went as float16 (:mod:`.half`); ``target`` is then the float16 wire.
+        rider: the step's flags where this buffer carries them (:mod:`.flags`), reduced in place
+            once ``pending`` is collected; else ``None``.
     """
 
     pending: Pending
@@ -88,6 +90,7 @@ class InFlight:
     filling: Filling
     selected: Selected | None = None
     half: bool = False
+    rider: torch.Tensor | None = None
 
     @property
     def poisoned(self) -> bool:

@@ -7,11 +7,15 @@ selection wrote them, and where the aggregate goes (``p.grad`` of each tensor). 
 every buffer of a dense step, and the buffer of small tensors — is reduced with Horovod's
 allreduce over the same process set and wire compression; the buffer of small tensors travels
 packed in its flat tensor, one tensor for Horovod, whose background thread pays per tensor it
-handles. A critical step's buffer may go as float16, its rounding error kept (:mod:`.half`).
+handles. A critical step's buffer may go as float16, its rounding error kept (:mod:`.half`). The
+step's last buffer, where it goes dense, may carry the step's flags (:mod:`.flags`): one element
+more in its allreduce, of the dtype it travels in.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
+
 from ..buffer import FusionBuffer
 from ..communicators import Allreduce, Communicator, Outgoing, Reduction
 from ..communicators.base import Target
@@ -44,17 +48,23 @@ class Sender:
                                         compression=self.communicator.compression)
         return self._allreduce
 
-    def start(self, buf: FusionBuffer, filling: Filling, mode: StepMode, selected: Selected | None) -> InFlight:
-        """Start ``buf``'s collective: its ``selected`` elements, or all of it (``None``: dense)."""
+    def start(self, buf: FusionBuffer, filling: Filling, mode: StepMode, selected: Selected | None,
+              flags: float | None = None) -> InFlight:
+        """Start ``buf``'s collective: its ``selected`` elements, or all of it (``None``: dense);
+        ``flags``: the value of the step's flags this rank adds, where this dense buffer carries
+        them (:meth:`~.flags.StepFlags.carry`)."""
         if mode.sends_half(buf):
             wire = Target((round_to_half(buf, filling),), np.array([0, buf.numel]))
-            return InFlight(self.allreduce.start(Outgoing(buf.tag, None, None, buf.numel, target=wire), self.reduction),
-                            wire, filling, half=True)
-        comm = self.allreduce if mode.sends_dense(buf) else self.communicator
+            rider = carrier(flags, wire)
+            out = Outgoing(buf.tag, None, None, buf.numel, target=wire, rider=rider)
+            return InFlight(self.allreduce.start(out, self.reduction), wire, filling, half=True, rider=rider)
+        dense = mode.sends_dense(buf)
+        comm = self.allreduce if dense else self.communicator
         target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(filling.grads), buf.bounds)
         values, indices, rows = (None, None, None) if selected is None else selected[:3]
-        pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, target), self.reduction)
-        return InFlight(pending, target, filling, selected)
+        rider = carrier(flags, target) if dense else None
+        pending = comm.start(Outgoing(buf.tag, values, indices, buf.numel, buf.flat, rows, target, rider), self.reduction)
+        return InFlight(pending, target, filling, selected, rider=rider)
 
     def resend(self, buf: FusionBuffer, flight: InFlight) -> None:
         """Reduce ``buf``'s gradients again, in float32, and wait: its float16 aggregate
@@ -63,3 +73,12 @@ class Sender:
         again = self.allreduce.start(Outgoing(f"{buf.tag}.fp32", None, None, buf.numel, target=target), self.reduction)
         again.wait()
         flight.pending.bytes_sent += again.bytes_sent
+
+
+def carrier(flags: float | None, target: Target) -> torch.Tensor | None:
+    """The one-element tensor that carries ``flags`` in a dense buffer's allreduce, of the dtype and
+    device of what the buffer sends (``None`` where it carries none)."""
+    if flags is None:
+        return None
+    first = target.tensors[0]
+    return torch.full((1,), flags, dtype=first.dtype, device=first.device)
