@@ -519,8 +519,7 @@ class Controller:
         if carrier is None:
             self.flags.start(any(f.poisoned for f in flights), joining, votes)
         else:
-            last = flights[-1]
-            self.flags.carried(lambda: (last.pending.collect(), float(last.rider.item()))[1])
+            self.flags.carried(flights[-1])
         if votes is not None:  # decided before the first masking: waits for the flags (first steps only)
             self.spread.agree(self.flags.votes())
         tally = Tally(len(self.buffers))

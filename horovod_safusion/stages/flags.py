@@ -20,7 +20,7 @@ all, so the rare steps keep their exact maximum.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -48,9 +48,9 @@ class StepFlags:
         self._handle: int | None = None
         self._result: np.ndarray | None = None
         #: where the step's last buffer carries the flags: this rank's (poisoned, joining), and
-        #: how to read the sum over ranks (:meth:`carry`, :meth:`carried`)
+        #: that buffer's collective (:meth:`carry`, :meth:`carried`)
         self._told: tuple[bool, int] | None = None
-        self._read: Callable[[], float] | None = None
+        self._carrier: InFlight | None = None
 
     def arrive(self, name: str, arrived: bool) -> None:
         """Whether ``name``'s gradient arrived on this rank in this step."""
@@ -67,7 +67,7 @@ class StepFlags:
         flags[ARRIVED:ARRIVED + n] = self.arrived
         if votes is not None:
             flags[ARRIVED + n:] = votes
-        self._result, self._told, self._read = None, None, None
+        self._result, self._told, self._carrier = None, None, None
         self._handle = hvd.allreduce_async(torch.from_numpy(flags), op=hvd.Max, name=collective("saf.step"),
                                            process_set=self.process_set)
 
@@ -75,17 +75,19 @@ class StepFlags:
         """This rank's count of what it has to tell, for the step's last buffer to carry in its
         allreduce (see the module's docstring): 1.0 where it dropped a non-finite element, adds
         parameters or lacks a gradient, else 0.0. :meth:`carried` says how to read the sum."""
-        self._result, self._handle, self._told, self._read = None, None, (poisoned, joining), None
+        self._result, self._handle, self._told, self._carrier = None, None, (poisoned, joining), None
         return float(poisoned or joining != 0 or not self.arrived.all())
 
-    def carried(self, read: Callable[[], float]) -> None:
-        """``read``: waits for the buffer that carries the flags and returns their sum over ranks."""
-        self._read = read
+    def carried(self, carrier: InFlight) -> None:
+        """``carrier``: the collective of the buffer that carries the flags (its rider holds their
+        sum over ranks once it is collected)."""
+        self._carrier = carrier
 
     def result(self) -> np.ndarray:
         """The flags of every rank (waits for them the first time)."""
         if self._result is None and self._told is not None:
-            if self._read() == 0.0:  # every rank's flags are the usual ones: no allreduce of their own
+            self._carrier.pending.collect()
+            if self._carrier.rider.item() == 0.0:  # every rank's flags are the usual ones: no allreduce of their own
                 self._result = np.concatenate([np.zeros(ARRIVED, dtype=np.int32),
                                                np.ones(len(self.arrived), dtype=np.int32)])
             else:  # the same sum on every rank: every rank sends its flags

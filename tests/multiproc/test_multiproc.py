@@ -165,6 +165,10 @@ def test_unused_parameters_neither_hang_nor_lose_gradient(job):
             assert r[label]["never_grad"] is None  # not a zero gradient: the wrapped optimizer skips it
             assert r[label]["only_rank0_grad_abs"] > 0  # rank 0's gradient reached every rank
         assert recs[1][label]["only_rank0_local_abs"] == 0.0  # rank 1 computed none itself
+    for label in ("none/only-rank0", "none-fp16/only-rank0"):  # rank 0 has every gradient, the others not
+        for r in recs:
+            assert r[label]["only_rank0_grad_abs"] > 0, label
+        assert recs[1][label]["only_rank0_local_abs"] == 0.0, label
 
 
 def test_backward_passes_per_step(job):

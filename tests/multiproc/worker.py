@@ -505,13 +505,20 @@ class Branchy(nn.Module):
 
 
 def scenario_unused_parameters():
-    """No hang when ranks use different parameters; a rank's gradient is averaged over all ranks."""
+    """No hang when ranks use different parameters; a rank's gradient is averaged over all ranks.
+    The ``only-rank0`` jobs leave ``never`` out, so rank 0 has every gradient and the others not:
+    the step's flags, carried in the last dense buffer (its sum read back through fp16 wire
+    compression in one of them), must send their own allreduce on every rank alike."""
     out = {}
-    for label, kw in {"none": dict(compressor="none"), "topk@0.25": dict(compressor="topk", density=0.25)}.items():
+    fp16 = hvd.Compression.fp16
+    for label, kw in {"none": dict(compressor="none"), "topk@0.25": dict(compressor="topk", density=0.25),
+                      "none/only-rank0": dict(compressor="none"),
+                      "none-fp16/only-rank0": dict(compressor="none", compression=fp16)}.items():
         torch.manual_seed(0)
         m = Branchy()
-        opt = saf.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=m.named_parameters(), **kw, dense=False, min_selected=0)
+        named = [(n, p) for n, p in m.named_parameters() if not (label.endswith("only-rank0") and n.startswith("never"))]
+        opt = saf.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
+                                       named_parameters=named, **kw, dense=False, min_selected=0)
         for step in range(3):
             opt.zero_grad()
             g = torch.Generator().manual_seed(100 * step + hvd.rank())
