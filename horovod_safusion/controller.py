@@ -461,10 +461,16 @@ class Controller:
     def _carries_flags(self, buf: FusionBuffer) -> bool:
         """Whether ``buf`` carries the step's flags (:mod:`~horovod_safusion.stages.flags`): the
         plan's last buffer, where it goes dense and no spread vote is due (the same on every
-        rank). It is then started by :meth:`synchronize`, which knows the flags, just after the
-        last gradient's hook."""
+        rank), unless it sends one gradient of its own in its dtype: a group of that tensor and
+        the flags would go through Horovod's fusion buffer, a copy of the gradient in and out (and
+        as much memory) where one tensor alone is reduced in place. A float16 wire holds them in
+        a spare element (:func:`~horovod_safusion.stages.half.round_to_half`); a group of several
+        tensors, or the packed flat of small tensors, is fused by Horovod anyway. It is then
+        started by :meth:`synchronize`, which knows the flags, just after the last gradient's
+        hook."""
         return buf.index == len(self.buffers) - 1 and self.mode.sends_dense(buf) \
-            and not (self.spread is not None and self.spread.voting)
+            and not (self.spread is not None and self.spread.voting) \
+            and (buf.dense or len(buf.params) > 1 or self.mode.sends_half(buf))
 
     def _launch(self, buf: FusionBuffer, filling: Filling, flags: float | None = None) -> None:
         """Select (a sparse buffer) and start the buffer's collective (``flags``: this rank's value

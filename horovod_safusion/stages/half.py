@@ -28,11 +28,16 @@ if TYPE_CHECKING:  # (the records import Horovod's collectives; this stage needs
     from .record import Filling, InFlight
 
 
-def round_to_half(buf: FusionBuffer, filling: Filling) -> torch.Tensor:
+def round_to_half(buf: FusionBuffer, filling: Filling, spare: float | None = None) -> torch.Tensor:
     """This rank's contribution to ``buf`` (gradient plus residual, in ``filling.grads``) rounded
-    to a new float16 tensor; each rounding error goes into the buffer's flat tensor."""
+    to a new float16 tensor; each rounding error goes into the buffer's flat tensor. ``spare``:
+    one element more at the end, holding that value (the step's flags, :mod:`.flags`), so that
+    they travel in the same tensor: Horovod reduces one tensor in place, where a group of two
+    goes through its fusion buffer, a copy of the whole buffer in and out."""
     flat = buf.allocate("flat")
-    wire = torch.empty(buf.numel, dtype=torch.float16, device=buf.device)
+    wire = torch.empty(buf.numel + (spare is not None), dtype=torch.float16, device=buf.device)
+    if spare is not None:
+        wire[buf.numel] = spare
     for slot, x in enumerate(filling.grads):
         seg = buf.segment(slot)
         wire[seg].copy_(x)

@@ -53,10 +53,12 @@ class Sender:
         """Start ``buf``'s collective: its ``selected`` elements, or all of it (``None``: dense);
         ``flags``: the value of the step's flags this rank adds, where this dense buffer carries
         them (:meth:`~.flags.StepFlags.carry`)."""
-        if mode.sends_half(buf):
-            wire = Target((round_to_half(buf, filling),), np.array([0, buf.numel]))
-            rider = carrier(flags, wire)
-            out = Outgoing(buf.tag, None, None, buf.numel, target=wire, rider=rider)
+        if mode.sends_half(buf):  # the flags in the wire's spare element: one tensor, reduced in place
+            half = round_to_half(buf, filling, flags)
+            wire = Target((half,), np.array([0, buf.numel]))
+            tag = buf.tag if flags is None else f"{buf.tag}.rider"  # (Horovod's response cache keys by name)
+            out = Outgoing(tag, None, None, buf.numel, target=wire)
+            rider = None if flags is None else half[buf.numel:]
             return InFlight(self.allreduce.start(out, self.reduction), wire, filling, half=True, rider=rider)
         dense = mode.sends_dense(buf)
         comm = self.allreduce if dense else self.communicator
