@@ -58,8 +58,12 @@ class Sender:
             wire = Target((half,), np.array([0, buf.numel]))
             tag = buf.tag if flags is None else f"{buf.tag}.rider"  # (Horovod's response cache keys by name)
             out = Outgoing(tag, None, None, buf.numel, target=wire)
-            rider = None if flags is None else half[buf.numel:]
-            return InFlight(self.allreduce.start(out, self.reduction), wire, filling, half=True, rider=rider)
+            pending = self.allreduce.start(out, self.reduction)
+            rider = None
+            if flags is not None:
+                rider = half[buf.numel:]
+                pending.bytes_sent -= half.element_size()  # the gradient's payload: the flags are not counted
+            return InFlight(pending, wire, filling, half=True, rider=rider)
         dense = mode.sends_dense(buf)
         comm = self.allreduce if dense else self.communicator
         target = Target((buf.flat,), np.array([0, buf.numel])) if buf.dense else Target(tuple(filling.grads), buf.bounds)

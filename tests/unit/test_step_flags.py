@@ -139,6 +139,7 @@ def test_a_float16_critical_step_carries_the_flags_in_a_spare_element_of_its_wir
         sent = {n: p.grad.detach().view(-1).clone() for n, p in named}
         opt.synchronize()
         assert opt.controller.mode.half and opt.last_stats.density == 1.0
+        assert opt.last_stats.bytes_sent == 2 * sum(p.numel() for _, p in named)  # the flags are not payload
         for n, p in named:
             assert torch.equal(p.grad.view(-1), sent[n].half().float()), n
             assert torch.equal(opt.residuals.get(n, p.detach().view(-1)) + p.grad.view(-1), sent[n]), n
